@@ -1,0 +1,176 @@
+"""The collectives, as free functions. The only module that moves parameters between ranks.
+
+Each function takes the ``Comm`` it runs on, reports itself to ``comm.ledger`` (kind, label, bytes,
+seconds waited) and, at world size 1, runs the same code path without communicating or copying.
+
+Backends: gloo for CPU ranks and for ranks that share one GPU (NCCL refuses two ranks on one device),
+NCCL for ranks that own a GPU. Where gloo is handed CUDA tensors, they are staged through CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_shardlab.ledger import Ledger
+
+
+@dataclass
+class Comm:
+    """The process group this rank trains in, and where its traffic is recorded."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    group: Any = None  # None = the default (world) group
+    ledger: Ledger = field(default_factory=Ledger)
+
+    @property
+    def backend(self) -> str:
+        if self.world_size == 1 or not dist.is_initialized():
+            return "none"
+        return dist.get_backend(self.group)
+
+    @property
+    def stages_through_cpu(self) -> bool:
+        """gloo cannot reduce CUDA tensors: ranks sharing a GPU stage them through host memory."""
+        return self.backend == "gloo" and self.device.type == "cuda"
+
+    @staticmethod
+    def single() -> Comm:
+        return Comm(rank=0, world_size=1, device=torch.device("cpu"))
+
+
+class Pending:
+    """A collective in flight. ``wait()`` blocks until it is done and runs its finishing step."""
+
+    def __init__(self, work: Any, finish: Callable[[], None] | None, record: Callable[[float], None]) -> None:
+        self._work, self._finish, self._record = work, finish, record
+        self._started = time.perf_counter()
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if self._finish is not None:
+            self._finish()
+        self.done = True
+        self._record(time.perf_counter() - self._started)
+
+
+def _run(
+    comm: Comm, kind: str, label: str, nbytes: int, launch: Callable[[], Any], finish: Callable[[], None] | None,
+    async_op: bool,
+) -> Pending:
+    def record(seconds: float) -> None:
+        comm.ledger.record_collective(kind, label, nbytes, seconds)
+
+    with torch.profiler.record_function(f"shardlab::{kind} ({label})"):
+        pending = Pending(launch(), finish, record)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def _staged(tensor: Tensor, comm: Comm) -> Tensor:
+    return tensor.cpu() if comm.stages_through_cpu else tensor
+
+
+def all_gather(full: Tensor, shard: Tensor, comm: Comm, label: str = "", async_op: bool = False) -> Pending:
+    """shards -> whole: ``full`` (1-D, world_size * S) receives every rank's ``shard`` (1-D, S) in rank order."""
+    if comm.world_size == 1:
+        if full.data_ptr() != shard.data_ptr():
+            full.copy_(shard)
+        return Pending(None, None, lambda s: None)
+    out, inp = _staged(full, comm), _staged(shard, comm)
+    finish = (lambda: full.copy_(out)) if out is not full else None
+    nbytes = full.numel() * full.element_size()
+    return _run(
+        comm, "all_gather", label, nbytes, lambda: dist.all_gather_single(out, inp, group=comm.group, async_op=True),
+        finish, async_op,
+    )
+
+
+def reduce_scatter(shard: Tensor, full: Tensor, comm: Comm, label: str = "", async_op: bool = False) -> Pending:
+    """whole gradients -> averaged shards: ``shard`` (1-D, S) = mean over ranks of ``full[rank*S:(rank+1)*S]``."""
+    if comm.world_size == 1:
+        if full.data_ptr() != shard.data_ptr():
+            shard.copy_(full)
+        return Pending(None, None, lambda s: None)
+    out, inp = _staged(shard, comm), _staged(full, comm)
+    world = comm.world_size
+
+    def finish() -> None:
+        # Sum, then divide once on the (smaller) output: the same average DDP computes.
+        out.div_(world)
+        if out is not shard:
+            shard.copy_(out)
+
+    nbytes = full.numel() * full.element_size()
+    return _run(
+        comm, "reduce_scatter", label, nbytes,
+        lambda: dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=comm.group, async_op=True),
+        finish, async_op,
+    )
+
+
+def all_reduce(tensor: Tensor, comm: Comm, op: str = "sum", label: str = "") -> Tensor:
+    """In place: ``tensor`` becomes the sum (or max / min) over ranks. Returns ``tensor``."""
+    if comm.world_size == 1:
+        return tensor
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    buf = _staged(tensor, comm)
+    finish = (lambda: tensor.copy_(buf)) if buf is not tensor else None
+    nbytes = tensor.numel() * tensor.element_size()
+    _run(
+        comm, "all_reduce", label, nbytes,
+        lambda: dist.all_reduce(buf, op=ops[op], group=comm.group, async_op=True), finish, async_op=False,
+    )
+    return tensor
+
+
+def broadcast(tensor: Tensor, comm: Comm, src: int = 0, label: str = "") -> Tensor:
+    """In place: every rank's ``tensor`` becomes rank ``src``'s."""
+    if comm.world_size == 1:
+        return tensor
+    buf = _staged(tensor, comm)
+    finish = (lambda: tensor.copy_(buf)) if buf is not tensor else None
+    nbytes = tensor.numel() * tensor.element_size()
+    _run(
+        comm, "broadcast", label, nbytes,
+        lambda: dist.broadcast(buf, src=src, group=comm.group, async_op=True), finish, async_op=False,
+    )
+    return tensor
+
+
+def all_gather_object(obj: Any, comm: Comm, label: str = "") -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+    if comm.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * comm.world_size
+    started = time.perf_counter()
+    dist.all_gather_object(out, obj, group=comm.group)
+    comm.ledger.record_collective("all_gather_object", label, 0, time.perf_counter() - started)
+    return out
+
+
+def barrier(comm: Comm) -> None:
+    if comm.world_size > 1:
+        dist.barrier(group=comm.group)
+
+
+def broadcast_object(obj: Any, comm: Comm, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` (picklable) on every rank."""
+    if comm.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=comm.group)
+    return box[0]

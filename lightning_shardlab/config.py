@@ -1,0 +1,128 @@
+"""The options, validated once and frozen. Every option is a plain value so a LightningCLI YAML can hold it."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+
+from torch import nn
+
+
+class Stage(IntEnum):
+    """What is sharded at rest (DESIGN.md section 3)."""
+
+    OPTIMIZER = 1  # optimizer state and fp32 master
+    GRADIENTS = 2  # + gradients (reduce-scattered per unit during backward)
+    PARAMETERS = 3  # + parameters: fully sharded (FSDP)
+
+
+class Accumulation(str, Enum):
+    """How gradients of micro-batches that do not end an optimizer step are handled."""
+
+    REDUCE = "reduce"  # reduce-scatter every micro-batch into the grad shard: memory-safe
+    DEFER = "defer"  # keep full gradients, reduce once on the last micro-batch: less traffic
+
+
+def import_path(path: str, option: str) -> type:
+    """``"torch.nn.TransformerEncoderLayer"`` -> the class. Raises ``ValueError`` naming ``option``."""
+    module_name, _, attr = path.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr) if module_name else None
+    except (ImportError, AttributeError):
+        obj = None
+    if not isinstance(obj, type):
+        raise ValueError(
+            f"`{option}` entry {path!r} is not an importable class. HINT: give the full import path of a class,"
+            " e.g. 'torch.nn.TransformerEncoderLayer'."
+        )
+    return obj
+
+
+def _choice(option: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"`{option}={value!r}` is invalid. Allowed values: {', '.join(map(repr, allowed))}.")
+
+
+@dataclass(frozen=True)
+class ShardLabConfig:
+    stage: Stage = Stage.PARAMETERS
+    """What is sharded at rest: 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)."""
+
+    unit_classes: tuple[str, ...] = ()
+    """Import paths of module classes that each become a unit. Empty: one unit per repeated block."""
+
+    min_unit_params: int = 0
+    """A module with fewer parameters than this is not made a unit; its parameters join the enclosing unit."""
+
+    reshard_after_forward: bool = True
+    """Stage 3: free gathered parameters after forward (False = torch's SHARD_GRAD_OP: keep them for backward)."""
+
+    accumulation: Accumulation = Accumulation.REDUCE
+    """Gradient accumulation: 'reduce' every micro-batch into shards, or 'defer' to the last one."""
+
+    find_unused_parameters: bool = False
+    """Agree across ranks (one small all-reduce per backward) on which parameters got no gradient, and
+    leave those gradients None as DDP does. Off: a parameter that got no gradient inside a unit that ran
+    backward receives a zero gradient."""
+
+    gradient_clip_norm_type: float = 2.0
+    """The norm Lightning's ``gradient_clip_val`` clips by: 2, 1, or ``inf`` (any p > 0), over all ranks' shards."""
+
+    ranks_per_device: int = 1
+    """Ranks per device: >1 runs a world of several ranks on one CPU or one GPU (the single-box proxy)."""
+
+    process_group_backend: str | None = None
+    """'gloo' or 'nccl'; None chooses (gloo on CPU and for ranks sharing a GPU, NCCL otherwise)."""
+
+    timeout_s: float = 1800.0
+    """Process group timeout in seconds."""
+
+    elementwise_optimizers: tuple[str, ...] = ()
+    """Import paths of extra optimizer classes whose update is elementwise, so a shard-local step is exact."""
+
+    unit_types: tuple[type[nn.Module], ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "stage", Stage(self.stage))
+        except ValueError:
+            _choice("stage", self.stage, (1, 2, 3))
+        try:
+            object.__setattr__(self, "accumulation", Accumulation(self.accumulation))
+        except ValueError:
+            _choice("accumulation", self.accumulation, tuple(a.value for a in Accumulation))
+        _choice("process_group_backend", self.process_group_backend, (None, "gloo", "nccl"))
+        for option in ("min_unit_params", "ranks_per_device"):
+            value = getattr(self, option)
+            minimum = 0 if option == "min_unit_params" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"`{option}={value!r}` is invalid: expected an integer >= {minimum}.")
+        norm = self.gradient_clip_norm_type
+        if isinstance(norm, str):
+            try:
+                norm = float(norm)
+            except ValueError:
+                pass
+        if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not norm > 0:
+            raise ValueError(
+                f"`gradient_clip_norm_type={self.gradient_clip_norm_type!r}` is invalid: expected 2, 1, 'inf' or any p > 0."
+            )
+        object.__setattr__(self, "gradient_clip_norm_type", float(norm))
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(f"`timeout_s={self.timeout_s!r}` is invalid: expected a positive number of seconds.")
+        for option in ("reshard_after_forward", "find_unused_parameters"):
+            if not isinstance(getattr(self, option), bool):
+                raise ValueError(f"`{option}={getattr(self, option)!r}` is invalid: expected True or False.")
+        for option in ("unit_classes", "elementwise_optimizers"):
+            value = getattr(self, option)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"`{option}={value!r}` is invalid: expected a list of import paths (strings).")
+            object.__setattr__(self, option, tuple(value))
+        types = tuple(import_path(path, "unit_classes") for path in self.unit_classes)
+        for path, cls in zip(self.unit_classes, types):
+            if not issubclass(cls, nn.Module):
+                raise ValueError(f"`unit_classes` entry {path!r} is not a torch.nn.Module subclass.")
+        object.__setattr__(self, "unit_types", types)
+        for path in self.elementwise_optimizers:
+            import_path(path, "elementwise_optimizers")

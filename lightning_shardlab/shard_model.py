@@ -1,0 +1,307 @@
+"""``shard_model(module, config, comm)``: turn a module into units of flat parameters, in place.
+
+The module keeps its class and its parameter names; each name is pointed at a placeholder (stage 3
+at rest) or an unsharded param (computing, or stages 1-2). The returned ``ShardedModel`` is the
+handle that holds the units and decides, on each hook event, when to gather, reduce and free.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from lightning_shardlab import collectives, hooks
+from lightning_shardlab.collectives import Comm
+from lightning_shardlab.config import ShardLabConfig, Stage
+from lightning_shardlab.flat_param import FlatParam, FlatParamLayout
+from lightning_shardlab.policy import ParamUse, choose_unit_paths, owning_unit, param_uses
+from lightning_shardlab.unit import Registration, Unit
+
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, ShardedModel] = weakref.WeakKeyDictionary()
+
+
+class ShardedModel:
+    """The units of one sharded module and the rules that drive them through a step."""
+
+    def __init__(self, module: nn.Module, units: list[Unit], config: ShardLabConfig, comm: Comm) -> None:
+        self.module = module
+        self.units = units  # root first, then in named_modules() order
+        self.config = config
+        self.comm = comm
+        self._sync = True  # reduce gradients in this backward (False inside no_sync())
+        self._root_held = False  # the strategy keeps the root gathered for a whole step
+        self._end_of_backward = hooks.EndOfBackward(self._finish_backward)
+        self._warned_unused: set[str] = set()
+
+    @property
+    def root(self) -> Unit:
+        return self.units[0]
+
+    @property
+    def flat_params(self) -> list[FlatParam]:
+        return [fp for unit in self.units for fp in unit.flat_params]
+
+    def at_rest(self, fp: FlatParam) -> list[nn.Parameter]:
+        """The objects the module holds between steps: what ``configure_optimizers`` sees."""
+        return fp.placeholders if self.config.stage is Stage.PARAMETERS else fp.unsharded_params
+
+    def master_params_by_id(self) -> dict[int, tuple[str, nn.Parameter, FlatParam]]:
+        """id(at-rest param) -> (name, master view, its flat param)."""
+        out = {}
+        for fp in self.flat_params:
+            for slot, rest, master in zip(fp.layout.slots, self.at_rest(fp), fp.master_params):
+                out[id(rest)] = (slot.name, master, fp)
+        return out
+
+    # ---- the events hooks.py routes here ----
+
+    def reshard_after_forward(self, unit: Unit) -> bool:
+        if unit.is_root:
+            return not torch.is_grad_enabled() and not self._root_held
+        return not torch.is_grad_enabled() or self.config.reshard_after_forward
+
+    def pre_backward(self, unit: Unit) -> None:
+        self._end_of_backward.queue()
+        with torch.profiler.record_function(f"shardlab::pre_backward ({unit.name})"):
+            unit.unshard()
+        unit.in_backward = True
+
+    def post_backward(self, unit: Unit) -> None:
+        if not unit.in_backward:
+            return
+        unit.in_backward = False
+        with torch.profiler.record_function(f"shardlab::post_backward ({unit.name})"):
+            if unit.grad_flat_params:
+                unit.collect_usage()
+                if self._sync and self.config.stage >= Stage.GRADIENTS:
+                    unit.reduce_grads(async_op=True)
+            if not (unit.is_root and self._root_held):
+                unit.reshard()
+
+    def _finish_backward(self) -> None:
+        """End of backward: 1. finish units with no post-backward  2. reduce the rest  3. wait, attach grads."""
+        for unit in reversed(self.units):
+            if unit.in_backward:
+                self.post_backward(unit)
+        if self._sync:
+            pending = [unit for unit in self.units if unit.grads_pending]
+            for unit in reversed(pending):
+                if not unit.reduced:
+                    unit.reduce_grads(async_op=True)
+            for unit in pending:
+                unit.wait_reductions()
+            for unit, used in zip(pending, self._agree_on_usage(pending)):
+                unit.attach_grads(used)
+        for unit in self.units:
+            if not (unit.is_root and self._root_held):
+                unit.reshard()
+
+    def _agree_on_usage(self, units: list[Unit]) -> list[list[Tensor]]:
+        """Which parameters count as having a gradient (see ``find_unused_parameters``)."""
+        local = [used for unit in units for used in unit.used]
+        if not local:
+            return [[] for _ in units]
+        if self.config.find_unused_parameters:
+            bits = torch.cat(local).to(torch.int32)
+            collectives.all_reduce(bits, self.comm, op="max", label="unused parameters")
+            agreed = list(bits.bool().split([u.numel() for u in local]))
+        else:
+            self._warn_unused(units)
+            agreed = [torch.ones_like(u) for u in local]
+        out, i = [], 0
+        for unit in units:
+            out.append(agreed[i : i + len(unit.used)])
+            i += len(unit.used)
+        return out
+
+    def _warn_unused(self, units: list[Unit]) -> None:
+        names = [
+            slot.name
+            for unit in units
+            for fp, used in zip(unit.grad_flat_params, unit.used)
+            for slot, u in zip(fp.layout.slots, used.tolist())
+            if not u and slot.name not in self._warned_unused
+        ]
+        if names:
+            self._warned_unused.update(names)
+            warnings.warn(
+                f"[rank {self.comm.rank}] parameters got no gradient in a unit that ran backward and receive a zero"
+                f" gradient: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}. HINT: pass"
+                " find_unused_parameters=True to leave their gradients None, as DDP does.",
+                stacklevel=2,
+            )
+
+    # ---- what the strategy (or a plain training loop) calls ----
+
+    @contextmanager
+    def step(self, keep_root_gathered: bool) -> Iterator[None]:
+        """Keep the root unit gathered for one step (its parameters are used anywhere in the step)."""
+        self.root.unshard()
+        self._root_held = True
+        try:
+            yield
+        finally:
+            self._root_held = False
+            if not keep_root_gathered:
+                self.root.reshard()
+
+    def prepare_backward(self, loss: Tensor) -> None:
+        """Announce the root's pre-backward when backward starts from ``loss``."""
+        hooks.hook_pre_backward(self, self.root, loss)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside keep full gradients instead of reducing them (deferred accumulation)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def after_optimizer_step(self, stepped: set[FlatParam]) -> None:
+        """Bring the compute copies up to date with the master shards an optimizer just updated."""
+        for unit in self.units:
+            if self.config.stage is Stage.PARAMETERS:
+                for fp in unit.flat_params:
+                    if fp in stepped:
+                        fp.shard_from_master()
+            else:
+                unit.gather_after_step(stepped)
+        if not self._root_held:
+            self.root.reshard()
+
+    def gather_full(self, fp: FlatParam) -> Tensor:
+        """Collective: the full values of ``fp`` in master precision (1-D, padded_numel), on every rank."""
+        if fp.master is fp.shard and (fp.resident_full or fp.layout.world_size == 1):
+            return fp.full
+        out = torch.empty(fp.layout.padded_numel, dtype=fp.master.dtype, device=fp.master.device)
+        collectives.all_gather(out, fp.master, self.comm, label=f"state_dict {fp.layout.name}")
+        return out
+
+
+def shard_model(module: nn.Module, config: ShardLabConfig, comm: Comm) -> ShardedModel:
+    """Shard ``module`` in place and install its hooks. Every rank must call it (it communicates).
+
+    Order: 1. choose units and lay out flat params  2. check all ranks built the same layout
+    3. broadcast rank 0's initial values  4. point the module at placeholders / unsharded params.
+    """
+    existing = _SHARDED.get(module)
+    if existing is not None:
+        if existing.config == config and existing.comm.world_size == comm.world_size:
+            return existing
+        raise ValueError(
+            f"{type(module).__name__} is already sharded (stage {int(existing.config.stage)}, world size"
+            f" {existing.comm.world_size}). HINT: create a fresh module, or reuse the same strategy options."
+        )
+    _refuse_meta(module)
+    uses = param_uses(module)
+    unit_paths = choose_unit_paths(module, config)
+    owners = {id(use.param): owning_unit(use, unit_paths) for use in uses}
+    _check_same_layout(module, uses, owners, comm)
+    units = []
+    for path in unit_paths:
+        unit = _build_unit(module, path, [u for u in uses if owners[id(u.param)] == path], config, comm)
+        if unit.flat_params or unit.is_root:
+            units.append(unit)
+    _broadcast_buffers(module, comm)
+    sharded = ShardedModel(module, units, config, comm)
+    for unit in units:
+        unit.reshard()
+        hooks.install(sharded, unit)
+    module.register_state_dict_post_hook(_refuse_placeholders)
+    _SHARDED[module] = sharded
+    return sharded
+
+
+def _refuse_meta(module: nn.Module) -> None:
+    for name, param in module.named_parameters():
+        if param.is_meta:
+            raise ValueError(
+                f"parameter {name!r} is on the meta device. HINT: materialise the model before sharding"
+                " (initialise it in __init__ or configure_model without empty_init)."
+            )
+
+
+def _build_unit(root: nn.Module, path: str, uses: list[ParamUse], config: ShardLabConfig, comm: Comm) -> Unit:
+    """One flat param per (dtype, requires_grad) group, in first-appearance order; values from rank 0."""
+    groups: dict[tuple[torch.dtype, bool], list[ParamUse]] = {}
+    for use in uses:
+        groups.setdefault((use.param.dtype, use.param.requires_grad), []).append(use)
+    flat_params, registrations = [], []
+    for (dtype, requires_grad), group in groups.items():
+        layout = FlatParamLayout.build(
+            path or "root", dtype, requires_grad, [(tuple(u.fqns), u.param.shape) for u in group], comm.world_size
+        )
+        fp = FlatParam(layout, comm.rank, comm.device, master_dtype=dtype,
+                       resident_full=config.stage is not Stage.PARAMETERS)
+        fp.load_full([u.param.detach().to(comm.device) for u in group])
+        collectives.broadcast(fp.full, comm, src=0, label=f"setup {layout.name}")
+        fp.shard_from_full()
+        flat_params.append(fp)
+        registrations.append([[_place(root, fqn) for fqn in u.fqns] for u in group])
+    unit = Unit(path, root.get_submodule(path), flat_params, registrations, comm,
+                reshard_at_rest=config.stage is Stage.PARAMETERS)
+    unit._register([fp.unsharded_params for fp in flat_params])
+    return unit
+
+
+def _place(root: nn.Module, fqn: str) -> Registration:
+    path, _, attr = fqn.rpartition(".")
+    return root.get_submodule(path), attr
+
+
+def _broadcast_buffers(module: nn.Module, comm: Comm) -> None:
+    with torch.no_grad():
+        for name, buf in module.named_buffers():
+            collectives.broadcast(buf, comm, src=0, label=f"setup {name}")
+
+
+def _check_same_layout(module: nn.Module, uses: list[ParamUse], owners: dict[int, str], comm: Comm) -> None:
+    """Raise on every rank, naming the first difference, unless all ranks built the same layout."""
+    mine = [("parameter", u.fqns[0], tuple(u.param.shape), str(u.param.dtype), u.param.requires_grad,
+             f"unit {owners[id(u.param)] or 'root'}") for u in uses]
+    mine += [("buffer", name, tuple(b.shape), str(b.dtype)) for name, b in module.named_buffers()]
+    everyone = collectives.all_gather_object(mine, comm, label="layout check")
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs == reference:
+            continue
+        for i in range(max(len(theirs), len(reference))):
+            a = reference[i] if i < len(reference) else "nothing"
+            b = theirs[i] if i < len(theirs) else "nothing"
+            if a != b:
+                raise ValueError(
+                    f"[rank {comm.rank}] the model differs across ranks: entry {i} is {a} on rank 0 but {b} on rank"
+                    f" {rank}. HINT: build the same model (same classes, shapes, dtypes, requires_grad) on every rank."
+                )
+
+
+def _refuse_placeholders(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    if not _collecting_full_state.active and any(isinstance(v, Tensor) and v.is_meta for v in state_dict.values()):
+        raise RuntimeError(
+            f"{type(module).__name__}.state_dict() was called while its parameters are sharded (stage 3): each"
+            " rank holds only a slice. HINT: call trainer.strategy.full_state_dict() on every rank (rank 0 gets the"
+            " whole model), or save a checkpoint with trainer.save_checkpoint()."
+        )
+
+
+class _CollectingFullState:
+    active = False
+
+
+_collecting_full_state = _CollectingFullState()
+
+
+@contextmanager
+def placeholders_allowed() -> Iterator[None]:
+    """Let ``module.state_dict(keep_vars=True)`` list placeholders (to learn its keys)."""
+    previous, _collecting_full_state.active = _collecting_full_state.active, True
+    try:
+        yield
+    finally:
+        _collecting_full_state.active = previous

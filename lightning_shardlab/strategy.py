@@ -1,0 +1,327 @@
+"""``ShardLabStrategy``: the Lightning glue. Each hook is a few lines that delegate to the modules below."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_shardlab import checkpoint as ckpt
+from lightning_shardlab import collectives
+from lightning_shardlab.collectives import Comm
+from lightning_shardlab.config import Accumulation, ShardLabConfig
+from lightning_shardlab.optimizer import shard_optimizer
+from lightning_shardlab.precision import ShardLabPrecision, shardlab_precision
+from lightning_shardlab.shard_model import ShardedModel, shard_model
+
+
+class ShardLabStrategy(ParallelStrategy):
+    """Fully sharded data parallel training (ZeRO stages 1, 2 and 3) for any LightningModule.
+
+    Args:
+        stage: what is sharded at rest: 1 optimizer state, 2 + gradients, 3 + parameters (FSDP).
+        unit_classes: import paths of module classes that each become a unit (gathered and freed
+            together). Default: one unit per repeated block (e.g. each transformer block).
+        min_unit_params: modules with fewer parameters are not made units.
+        reshard_after_forward: stage 3: free gathered parameters after forward (False is torch's
+            SHARD_GRAD_OP: keep them until the unit's backward, trading memory for one all-gather).
+        accumulation: 'reduce' every micro-batch into gradient shards, or 'defer' to the last one.
+        find_unused_parameters: leave the gradients of parameters that no rank used as None, like DDP
+            (one small all-reduce per backward).
+        gradient_clip_norm_type: the norm ``Trainer(gradient_clip_val=...)`` clips by (2, 1 or 'inf').
+        ranks_per_device: several ranks on one device (the single-box proxy).
+        process_group_backend: 'gloo' or 'nccl' (default: gloo on CPU and for shared GPUs, else NCCL).
+        timeout_s: process group timeout, seconds.
+        elementwise_optimizers: import paths of extra optimizer classes to treat as elementwise.
+    """
+
+    strategy_name = "shardlab"
+
+    def __init__(
+        self,
+        stage: int = 3,
+        unit_classes: list[str] | None = None,
+        min_unit_params: int = 0,
+        reshard_after_forward: bool = True,
+        accumulation: str = "reduce",
+        find_unused_parameters: bool = False,
+        gradient_clip_norm_type: float | str = 2.0,
+        ranks_per_device: int = 1,
+        process_group_backend: str | None = None,
+        timeout_s: float = 1800.0,
+        elementwise_optimizers: list[str] | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        self.config = ShardLabConfig(
+            stage=stage, unit_classes=unit_classes or (), min_unit_params=min_unit_params,
+            reshard_after_forward=reshard_after_forward, accumulation=accumulation,
+            find_unused_parameters=find_unused_parameters, gradient_clip_norm_type=gradient_clip_norm_type,
+            ranks_per_device=ranks_per_device, process_group_backend=process_group_backend, timeout_s=timeout_s,
+            elementwise_optimizers=elementwise_optimizers or (),
+        )
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        self.num_nodes = 1
+        self.comm: Comm | None = None
+        self.sharded: ShardedModel | None = None
+
+    # ---- devices, ranks, process group ----
+
+    @property
+    @override
+    def parallel_devices(self) -> list[torch.device] | None:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    @override
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        # The single-box proxy: each device hosts ``ranks_per_device`` ranks.
+        k = self.config.ranks_per_device
+        self._parallel_devices = None if devices is None else [d for d in devices for _ in range(k)]
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def devices_shared(self) -> bool:
+        return self.parallel_devices is not None and len(set(self.parallel_devices)) < len(self.parallel_devices)
+
+    @property
+    def process_group_backend(self) -> str:
+        chosen = self.config.process_group_backend
+        shared_gpu = self.root_device.type == "cuda" and self.devices_shared
+        if chosen == "nccl" and shared_gpu:
+            raise ValueError(
+                "`process_group_backend='nccl'` cannot run several ranks on one GPU (NCCL refuses it)."
+                " HINT: leave process_group_backend unset (gloo is chosen) or use ranks_per_device=1."
+            )
+        return chosen or ("nccl" if self.root_device.type == "cuda" and not shared_gpu else "gloo")
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self.process_group_backend
+        kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.config.timeout_s)}
+        if backend == "nccl":
+            kwargs["device_id"] = self.root_device
+        assert self.cluster_environment is not None
+        if self.world_size > 1:  # a world of one needs no process group: nothing is ever communicated
+            _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self.comm = Comm(rank=self.global_rank, world_size=self.world_size, device=self.root_device)
+
+    # ---- precision ----
+
+    @property
+    @override
+    def precision_plugin(self) -> ShardLabPrecision:
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, ShardLabPrecision) else ShardLabPrecision(
+            norm_type=self.config.gradient_clip_norm_type
+        )
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = None if plugin is None else shardlab_precision(plugin, self.config.gradient_clip_norm_type)
+
+    # ---- setup: shard the module, then rewrite the optimizers ----
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        assert self.comm is not None and self.lightning_module is not None
+        self.sharded = shard_model(self.lightning_module, self.config, self.comm)
+        self.comm = self.sharded.comm  # a module sharded by an earlier Trainer keeps its comm and ledger
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self.precision_plugin.comm = self.comm
+
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)
+        assert self.sharded is not None
+        for optimizer in self.optimizers:
+            shard_optimizer(optimizer, self.sharded)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if self.sharded is None:  # once sharded, the flat parameters already live on the device
+            self.model.to(self.root_device)
+
+    # ---- steps ----
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.sharded is not None and self.lightning_module is not None
+        # automatic optimisation runs backward after the step: the root stays gathered for it
+        with self.sharded.step(keep_root_gathered=self.lightning_module.automatic_optimization):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.sharded is not None
+        with self.sharded.step(keep_root_gathered=False):
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.sharded is not None
+        with self.sharded.step(keep_root_gathered=False):
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.sharded is not None
+        with self.sharded.step(keep_root_gathered=False):
+            return super().predict_step(*args, **kwargs)
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        assert self.sharded is not None
+        self.sharded.prepare_backward(closure_loss)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self.sharded is not None and self.config.accumulation is Accumulation.DEFER:
+            with self.sharded.no_sync():
+                yield
+        else:
+            yield
+
+    # ---- collectives Lightning asks for (metrics, barriers) ----
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if self.comm is not None and _distributed_is_initialized():
+            collectives.barrier(self.comm)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if self.comm is None or not _distributed_is_initialized():
+            return obj
+        return collectives.broadcast_object(obj, self.comm, src)
+
+    # ---- state dicts and checkpoints (full: a plain Lightning checkpoint) ----
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Collective: the unsharded ``module.state_dict()`` (CPU tensors) on global rank 0, ``{}`` elsewhere."""
+        assert self.sharded is not None, "full_state_dict() needs the model set up by trainer.fit/validate/..."
+        return ckpt.full_state_dict(self.sharded)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.full_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.sharded is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return ckpt.full_optimizer_state(optimizer, self.sharded)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # loading slices the checkpoint into shards, so the layout must exist first
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.sharded is not None
+        ckpt.load_full_state_dict(self.sharded, checkpoint["state_dict"], strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.sharded is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            ckpt.load_full_optimizer_state(optimizer, self.sharded, state)
+
+    # ---- teardown ----
+
+    @override
+    def teardown(self) -> None:
+        # The module stays sharded (placeholders, hooks) so later validate/test/predict reuse it; the
+        # base teardown's module.cpu() would try to copy the meta placeholders.
+        assert self.cluster_environment is not None and self.accelerator is not None
+        lm = self.lightning_module
+        if lm is not None and lm._trainer is not None and lm._trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            self.model = self._layer_sync.revert(self.model)
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries = [("shardlab", 3), ("shardlab_stage_1", 1), ("shardlab_stage_2", 2), ("shardlab_stage_3", 3)]
+        for name, stage in entries:
+            strategy_registry.register(
+                name, cls, description=f"shardlab: ZeRO stage {stage} sharded data parallel", override=True, stage=stage
+            )
+

@@ -1,0 +1,190 @@
+"""One unit's state machine: SHARDED <-> UNSHARDED, and the reduction of its gradients.
+
+A unit owns one flat parameter per (dtype, requires_grad) group of its parameters. ``unshard``
+all-gathers each and points the module's attributes at the unsharded params; ``reshard`` points them
+back at the placeholders and frees the full buffers. ``reduce_grads`` turns the unsharded params'
+gradients into this rank's averaged grad shard. Tensor names: [Note: shardlab tensors] in flat_param.py.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import Tensor, nn
+
+from lightning_shardlab import collectives
+from lightning_shardlab.collectives import Comm, Pending
+from lightning_shardlab.flat_param import FlatParam
+
+
+class UnitState(Enum):
+    SHARDED = "sharded"
+    UNSHARDED = "unsharded"
+
+
+Registration = tuple[nn.Module, str]  # (module, attribute name) a parameter is registered under
+
+
+class Unit:
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        flat_params: list[FlatParam],
+        registrations: list[list[list[Registration]]],  # [flat param][slot] -> places
+        comm: Comm,
+        reshard_at_rest: bool,
+    ) -> None:
+        self.name = name or "root"
+        self.is_root = not name
+        self.module = module
+        self.flat_params = flat_params
+        self.registrations = registrations
+        self.comm = comm
+        # Stage 3 shards parameters at rest; stages 1-2 keep every unit UNSHARDED for good.
+        self.reshard_at_rest = reshard_at_rest
+        self.state = UnitState.UNSHARDED
+        self.in_backward = False  # between this unit's pre-backward and post-backward
+        self.grads_pending = False  # gradients produced since the last reduction
+        self.reduced = False  # reduced in the current backward already
+        # [flat param] -> 1-D bool, numel = number of slots: got a gradient since the last reduction
+        self.used = [torch.zeros(len(fp.layout.slots), dtype=torch.bool) for fp in self.grad_flat_params]
+        self._pending: list[tuple[FlatParam, Tensor, Tensor, Pending]] = []  # (fp, flat grad, new shard, work)
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name}, {self.state.value}, {len(self.flat_params)} flat params)"
+
+    # ---- SHARDED <-> UNSHARDED ----
+
+    def _expect(self, state: UnitState, action: str) -> None:
+        if self.state is not state:
+            raise RuntimeError(
+                f"[rank {self.comm.rank}] cannot {action} unit {self.name!r}: it is {self.state.value}, "
+                f"expected {state.value}."
+            )
+
+    def unshard(self) -> None:
+        """All-gather every flat parameter and point the module at the unsharded params."""
+        if self.state is UnitState.UNSHARDED:
+            return
+        self._expect(UnitState.SHARDED, "unshard")
+        for fp in self.flat_params:
+            if fp.gathers:
+                fp.alloc_full()
+                collectives.all_gather(fp.full, fp.shard, self.comm, label=fp.layout.name)
+        self._register([fp.unsharded_params for fp in self.flat_params])
+        self.state = UnitState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Point the module at the placeholders and free the full buffers (stage 3 only)."""
+        if not self.reshard_at_rest or self.state is UnitState.SHARDED:
+            return
+        self._expect(UnitState.UNSHARDED, "reshard")
+        self._register([fp.placeholders for fp in self.flat_params])
+        for fp in self.flat_params:
+            fp.free_full()
+        self.state = UnitState.SHARDED
+
+    def _register(self, params_per_fp: list[list[nn.Parameter]]) -> None:
+        # Writing ``_parameters`` directly swaps the object a name refers to without nn.Module's
+        # __setattr__ bookkeeping; names and their order never change.
+        for places_per_slot, params in zip(self.registrations, params_per_fp):
+            for places, param in zip(places_per_slot, params):
+                for module, attr in places:
+                    module._parameters[attr] = param
+
+    # ---- gradients ----
+
+    @property
+    def grad_flat_params(self) -> list[FlatParam]:
+        return [fp for fp in self.flat_params if fp.layout.requires_grad]
+
+    def collect_usage(self) -> None:
+        """Note which parameters got a gradient in this backward (their grads stay where they are)."""
+        for fp in self.flat_params:
+            if fp.layout.requires_grad:
+                continue
+            for slot, param in zip(fp.layout.slots, fp.unsharded_params):
+                if param.grad is not None:
+                    raise RuntimeError(
+                        f"[rank {self.comm.rank}] parameter {slot.name!r} was frozen when the model was sharded"
+                        " but got a gradient. HINT: set requires_grad before trainer.fit(), or keep it trainable"
+                        " and leave it out of the optimizer."
+                    )
+        for fp, used in zip(self.grad_flat_params, self.used):
+            for i, param in enumerate(fp.unsharded_params):
+                if param.grad is not None:
+                    used[i] = True
+        self.grads_pending = True
+
+    def reduce_grads(self, async_op: bool = True) -> None:
+        """1. lay the unsharded grads out as the flat grad  2. launch its reduce-scatter  3. drop the grads."""
+        for fp in self.grad_flat_params:
+            flat_grad = _flat_grad(fp)  # 1-D, padded_numel
+            new_shard = torch.empty(fp.layout.shard_numel, dtype=flat_grad.dtype, device=flat_grad.device)  # 1-D, S
+            pending = collectives.reduce_scatter(new_shard, flat_grad, self.comm, label=fp.layout.name, async_op=True)
+            self._pending.append((fp, flat_grad, new_shard, pending))
+            for param in fp.unsharded_params:
+                param.grad = None
+        self.reduced = True
+        if not async_op:
+            self.wait_reductions()
+
+    def wait_reductions(self) -> None:
+        """Wait for launched reduce-scatters and add their results into the grad shards."""
+        for fp, _flat_grad_alive, new_shard, pending in self._pending:
+            pending.wait()
+            _accumulate_grad_shard(fp, new_shard)
+        self._pending.clear()
+
+    def attach_grads(self, used_per_fp: list[Tensor]) -> None:
+        """Point each used parameter's master view ``.grad`` at its slice of the grad shard."""
+        for fp, used in zip(self.grad_flat_params, used_per_fp):
+            assert fp.grad_shard is not None, f"[rank {self.comm.rank}] {fp.layout.name} has no grad shard"
+            for i, (slot, master) in enumerate(zip(fp.layout.slots, fp.master_params)):
+                if not used[i] or not master.requires_grad:  # frozen by the user, e.g. toggle_optimizer()
+                    continue
+                lo, hi = fp.layout.slot_in_shard(slot, fp.rank)
+                if master.grad is None or master.grad.data_ptr() != fp.grad_shard[lo:hi].data_ptr():
+                    master.grad = fp.grad_shard[lo:hi]
+        self.grads_pending = False
+        self.reduced = False
+        for used in self.used:
+            used.zero_()
+
+    def gather_after_step(self, stepped: set[FlatParam]) -> None:
+        """Stages 1-2: refresh the resident full buffers from the shards an optimizer just updated."""
+        for fp in self.flat_params:
+            if fp in stepped:
+                fp.shard_from_master()
+                collectives.all_gather(fp.full, fp.shard, self.comm, label=fp.layout.name)
+
+
+def _flat_grad(fp: FlatParam) -> Tensor:
+    """The unsharded params' grads laid out like ``full``; zeros where a parameter got none, and padding."""
+    parts = []
+    for slot, param in zip(fp.layout.slots, fp.unsharded_params):
+        grad = param.grad
+        parts.append(grad.reshape(-1) if grad is not None else fp.full.new_zeros(slot.numel))
+    if fp.layout.padding:
+        parts.append(fp.full.new_zeros(fp.layout.padding))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _accumulate_grad_shard(fp: FlatParam, new_shard: Tensor) -> None:
+    """grad shard += new reduced shard, except where the user cleared a master view's grad (zero_grad)."""
+    new_shard = new_shard.to(fp.master.dtype)
+    for slot, master in zip(fp.layout.slots, fp.master_params):
+        if not master.requires_grad:  # frozen since sharding (toggle_optimizer): its gradient is not wanted
+            lo, hi = fp.layout.slot_in_shard(slot, fp.rank)
+            new_shard[lo:hi].zero_()
+    live = [m for m in fp.master_params if m.numel() > 0]
+    if fp.grad_shard is None or all(m.grad is None for m in live):
+        fp.grad_shard = new_shard
+        return
+    for slot, master in zip(fp.layout.slots, fp.master_params):
+        if master.numel() > 0 and master.grad is None:
+            lo, hi = fp.layout.slot_in_shard(slot, fp.rank)
+            fp.grad_shard[lo:hi].zero_()
+    fp.grad_shard.add_(new_shard)

@@ -1,0 +1,106 @@
+"""Bad input: a clear error naming the option / parameter, on every rank, before any collective."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_shardlab import Comm, ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
+from tests.launch import run_ranks
+from tests.models import OddNet, TinyGPT, loader, token_dataset
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"stage": 4}, ["stage", "1, 2, 3"]),
+        ({"stage": "three"}, ["stage"]),
+        ({"accumulation": "sometimes"}, ["accumulation", "'reduce', 'defer'"]),
+        ({"unit_classes": ["no.such.Block"]}, ["unit_classes", "no.such.Block"]),
+        ({"unit_classes": ["torch.optim.SGD"]}, ["unit_classes", "torch.optim.SGD", "nn.Module"]),
+        ({"min_unit_params": -1}, ["min_unit_params"]),
+        ({"ranks_per_device": 0}, ["ranks_per_device"]),
+        ({"gradient_clip_norm_type": -2}, ["gradient_clip_norm_type"]),
+        ({"process_group_backend": "mpi"}, ["process_group_backend", "'gloo', 'nccl'"]),
+        ({"reshard_after_forward": "yes"}, ["reshard_after_forward"]),
+        ({"elementwise_optimizers": "torch.optim.SGD"}, ["elementwise_optimizers", "list"]),
+        ({"timeout_s": 0}, ["timeout_s"]),
+    ],
+)
+def test_invalid_option_raises_value_error_naming_it(kwargs: dict, names: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        ShardLabStrategy(**kwargs)
+    for name in names:
+        assert name in str(info.value)
+
+
+def test_valid_options_are_settled_once() -> None:
+    strategy = ShardLabStrategy(stage=2, accumulation="defer", gradient_clip_norm_type="inf",
+                                unit_classes=["torch.nn.TransformerEncoderLayer"])
+    assert int(strategy.config.stage) == 2 and strategy.config.accumulation.value == "defer"
+    assert strategy.config.gradient_clip_norm_type == float("inf")
+    assert strategy.config.unit_types == (nn.TransformerEncoderLayer,)
+
+
+def test_unsupported_precision_is_refused_at_trainer_construction() -> None:
+    with pytest.raises(ValueError, match="precision='64-true'.*shardlab"):
+        L.Trainer(accelerator="cpu", devices=1, strategy="shardlab", precision="64-true", logger=False)
+
+
+def test_non_elementwise_optimizer_is_refused_with_the_reason() -> None:
+    sharded = shard_model(OddNet(), ShardLabConfig(), Comm.single())
+    with pytest.raises(ValueError, match="LBFGS cannot run on parameter shards: it keeps a history"):
+        shard_optimizer(torch.optim.LBFGS(sharded.module.parameters()), sharded)
+
+
+def test_unknown_optimizer_needs_to_be_declared_elementwise() -> None:
+    class Mine(torch.optim.Optimizer):
+        def __init__(self, params):  # noqa: ANN001
+            super().__init__(params, {"lr": 0.1})
+
+        def step(self, closure=None):  # noqa: ANN001, ANN201
+            return None
+
+    sharded = shard_model(OddNet(), ShardLabConfig(), Comm.single())
+    with pytest.raises(ValueError, match="Mine is not known to update elementwise.*elementwise_optimizers="):
+        shard_optimizer(Mine(sharded.module.parameters()), sharded)
+
+
+def test_optimizer_over_foreign_tensors_is_refused() -> None:
+    sharded = shard_model(OddNet(), ShardLabConfig(), Comm.single())
+    stray = nn.Parameter(torch.zeros(5, 2))
+    with pytest.raises(ValueError, match=r"shape \(5, 2\) that is not a parameter of the LightningModule"):
+        shard_optimizer(torch.optim.SGD([stray], lr=0.1), sharded)
+
+
+def test_state_dict_of_a_sharded_module_explains_how_to_get_the_full_one() -> None:
+    sharded = shard_model(OddNet(), ShardLabConfig(stage=3), Comm.single())
+    with pytest.raises(RuntimeError, match="full_state_dict"):
+        sharded.module.state_dict()
+
+
+def differing_model_fit() -> dict:
+    """Rank 1 builds its GPT with a different block width: every rank must raise, naming it."""
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = TinyGPT()
+    if rank == 1:
+        model.blocks[1].mlp[0] = nn.Linear(18, 71)
+    data = token_dataset(8)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ShardLabStrategy(), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False)
+    trainer.fit(model, loader(data, 2, 2, rank))
+    return {}
+
+
+def test_model_that_differs_across_ranks_raises_on_every_rank_without_hanging() -> None:
+    results = run_ranks("tests.test_bad_input:differing_model_fit", 2, timeout=90, expect_failure=True)
+    for rank, (returncode, log) in enumerate(results):
+        assert returncode != 0, f"rank {rank} did not fail"
+        assert "ValueError" in log and "the model differs across ranks" in log, log[-2000:]
+        assert "blocks.1.mlp.0.weight" in log and "(72, 18)" in log and "(71, 18)" in log

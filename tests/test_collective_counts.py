@@ -1,0 +1,67 @@
+"""Exact collective counts per optimizer step, counted by wrapping torch.distributed in the test.
+
+Per flat parameter and step: stage 3 all-gathers a unit before its forward and again before its
+backward, and reduce-scatters its gradient once. The root unit is gathered once for the whole step
+(its parameters serve the whole step, as in torch's FSDP), so it has one all-gather. With
+reshard_after_forward=False every unit is gathered once. Stages 1 and 2 reduce-scatter once and
+all-gather the updated shards once after the optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_shardlab import ShardLabConfig, shard_model, shard_optimizer
+from tests.counting import counting_collectives
+from tests.launch import run_ranks
+from tests.models import OddNet, regression_batches
+from tests.reference import init_from_env, shutdown
+
+
+def count_per_step(stage: int, reshard_after_forward: bool = True, steps: int = 3) -> dict:
+    comm = init_from_env()
+    torch.manual_seed(0)
+    model = OddNet()
+    sharded = shard_model(model, ShardLabConfig(stage=stage, reshard_after_forward=reshard_after_forward), comm)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    shard_optimizer(optimizer, sharded)
+    per_step = []
+    for x, y in regression_batches(steps, 2 * comm.world_size):
+        with counting_collectives() as counts:
+            optimizer.zero_grad()
+            with sharded.step(keep_root_gathered=True):
+                loss = F.mse_loss(model(x[:2]), y[:2])
+            sharded.prepare_backward(loss)
+            loss.backward()
+            optimizer.step()
+        per_step.append(dict(counts))
+    layout = {"root": len(sharded.root.flat_params), "other": len(sharded.flat_params) - len(sharded.root.flat_params)}
+    shutdown()
+    return {"per_step": per_step, "flat_params": layout}
+
+
+@pytest.mark.parametrize(
+    ("stage", "reshard_after_forward"), [(3, True), (3, False), (2, True), (1, True)], ids=["3", "3-keep", "2", "1"]
+)
+def test_collectives_per_step(stage: int, reshard_after_forward: bool) -> None:
+    reports = run_ranks("tests.test_collective_counts:count_per_step", 3,
+                        {"stage": stage, "reshard_after_forward": reshard_after_forward}, timeout=120)
+    for report in reports:
+        root, other = report["flat_params"]["root"], report["flat_params"]["other"]
+        assert (root, other) == (1, 4)  # OddNet: the root unit and four block/gate units, all fp32
+        if stage == 3:
+            gathers = root + (2 * other if reshard_after_forward else other)
+        else:
+            gathers = root + other  # once, after the optimizer step
+        for counts in report["per_step"]:
+            assert counts == {"all_gather_single": gathers, "reduce_scatter_single": root + other}
+
+
+def test_world_size_one_issues_no_collective() -> None:
+    for stage in (1, 2, 3):
+        (report,) = run_ranks("tests.test_collective_counts:count_per_step", 1, {"stage": stage}, timeout=60)
+        assert all(counts == {} for counts in report["per_step"])

@@ -1,0 +1,91 @@
+"""Through the plain Trainer: a GPT-style LightningModule trains sharded and equals the reference."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from lightning_shardlab import ShardLabStrategy
+from tests.counting import counting_collectives
+from tests.launch import run_ranks
+from tests.models import TinyGPT, global_batches, loader, token_dataset
+from tests.reference import FP32
+
+QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+             use_distributed_sampler=False)
+
+
+def fit_gpt(strategy, world_size: int, steps: int, local_batch: int, optimizer: str = "adamw") -> tuple:
+    torch.manual_seed(0)
+    model = TinyGPT(optimizer=optimizer)
+    reference = copy.deepcopy(model)
+    data = token_dataset(steps * local_batch * world_size)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps,
+                        num_sanity_val_steps=0, limit_val_batches=0, **QUIET)
+    trainer.fit(model, loader(data, local_batch, world_size, int(os.environ["RANK"])))
+    return trainer, model, reference, data
+
+
+def reference_run(reference: TinyGPT, data, local_batch: int, world_size: int) -> tuple[list, dict]:
+    optimizer = reference.configure_optimizers()
+    losses = []
+    for batch in global_batches(data, local_batch, world_size):
+        optimizer.zero_grad()
+        loss = reference.loss(batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return losses, reference.state_dict()
+
+
+def gpt_parity(world_size: int, stage: int = 3, steps: int = 10, local_batch: int = 2, optimizer: str = "adamw") -> dict:
+    trainer, model, reference, data = fit_gpt(ShardLabStrategy(stage=stage), world_size, steps, local_batch, optimizer)
+    state = trainer.strategy.full_state_dict()
+    losses = torch.stack(model.losses)
+    if world_size > 1:
+        dist.all_reduce(losses)
+    losses /= world_size
+    if trainer.global_rank != 0:
+        assert state == {}
+        return {}
+    ref_losses, ref_state = reference_run(reference, data, local_batch, world_size)
+    assert len(ref_losses) == steps
+    assert_close(losses, torch.stack(ref_losses), **FP32)
+    assert list(state) == list(ref_state)  # exactly the module's own keys, in order
+    for key, value in ref_state.items():
+        assert state[key].device.type == "cpu"
+        assert_close(state[key], value, **FP32, msg=key)
+    return {"losses": losses.tolist()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gpt_through_trainer_matches_reference(world_size: int) -> None:
+    reports = run_ranks("tests.test_trainer:gpt_parity", world_size, {"world_size": world_size}, timeout=240)
+    losses = reports[0]["losses"]
+    assert losses[-1] < losses[0]  # it learns
+
+
+def world_size_one_bit_exact() -> dict:
+    """World size 1: no collective at all, and bit for bit what plain Lightning computes."""
+    with counting_collectives() as calls:
+        sharded_trainer, sharded_model, _, _ = fit_gpt(ShardLabStrategy(), 1, steps=6, local_batch=4)
+    plain_trainer, plain_model, _, _ = fit_gpt("auto", 1, steps=6, local_batch=4)
+    sharded_state = sharded_trainer.strategy.full_state_dict()
+    return {
+        "calls": dict(calls),
+        "losses_equal": torch.equal(torch.stack(sharded_model.losses), torch.stack(plain_model.losses)),
+        "params_equal": {k: torch.equal(v, sharded_state[k]) for k, v in plain_model.state_dict().items()},
+    }
+
+
+def test_world_size_one_issues_no_collective_and_equals_plain_lightning_bit_for_bit() -> None:
+    (report,) = run_ranks("tests.test_trainer:world_size_one_bit_exact", 1, timeout=180)
+    assert report["calls"] == {}
+    assert report["losses_equal"]
+    assert report["params_equal"] and all(report["params_equal"].values()), report["params_equal"]
