@@ -66,6 +66,9 @@ class ShardLabConfig:
     leave those gradients None as DDP does. Off: a parameter that got no gradient inside a unit that ran
     backward receives a zero gradient."""
 
+    broadcast_buffers: bool = True
+    """Before each training step, give every rank rank 0's buffers (e.g. BatchNorm statistics), as DDP does."""
+
     gradient_clip_norm_type: float = 2.0
     """The norm Lightning's ``gradient_clip_val`` clips by: 2, 1, or ``inf`` (any p > 0), over all ranks' shards."""
 
@@ -111,7 +114,7 @@ class ShardLabConfig:
         object.__setattr__(self, "gradient_clip_norm_type", float(norm))
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"`timeout_s={self.timeout_s!r}` is invalid: expected a positive number of seconds.")
-        for option in ("reshard_after_forward", "find_unused_parameters"):
+        for option in ("reshard_after_forward", "find_unused_parameters", "broadcast_buffers"):
             if not isinstance(getattr(self, option), bool):
                 raise ValueError(f"`{option}={getattr(self, option)!r}` is invalid: expected True or False.")
         for option in ("unit_classes", "elementwise_optimizers"):

@@ -230,14 +230,3 @@ class FlatParam:
     def free_full(self) -> None:
         if self.gathers:
             free_storage(self.full)
-
-    def nbytes(self) -> dict[str, int]:
-        """Bytes of the persistent tensors this rank holds for this flat parameter, by category."""
-        item = self.layout.dtype.itemsize
-        full_alive = storage_is_allocated(self.full) and (self.resident_full or self.layout.world_size == 1)
-        out = {
-            "params": self.layout.padded_numel * item if full_alive else self.layout.shard_numel * item,
-            "master": 0 if self.master is self.shard else self.master.numel() * self.master.element_size(),
-            "grads": 0 if self.grad_shard is None else self.grad_shard.numel() * self.grad_shard.element_size(),
-        }
-        return out

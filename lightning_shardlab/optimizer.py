@@ -82,23 +82,30 @@ def shard_optimizer(optimizer: Optimizer, sharded: ShardedModel) -> None:
     optimizer.register_step_post_hook(lambda opt, args, kwargs: sharded.after_optimizer_step(stepped))
 
 
-def clip_grad_norm_(params: list[Tensor], max_norm: float, norm_type: float, comm: Comm) -> Tensor:
-    """Clip by the global norm over every rank's shards: one all-reduce, the same norm DDP computes.
+def global_grad_norm(params: list[Tensor], norm_type: float, comm: Comm) -> Tensor:
+    """Collective: the norm of the gradients of ``params`` over every rank's shards (one all-reduce).
 
-    Mirrors ``torch.nn.utils.clip_grad_norm_``: total = ||(||g_1||, ..., ||g_k||)||, coefficient
-    max_norm / (total + 1e-6) clamped to 1, every gradient multiplied by it.
+    The same number torch computes on the unsharded gradients: ||(||g_1||, ..., ||g_k||)||, because
+    each parameter's slices partition it (sum of p-th powers for p < inf, max for inf).
     """
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else comm.device
     if math.isinf(norm_type):
-        local = torch.stack([g.abs().max() if g.numel() else g.new_zeros(()) for g in grads]).max() if grads else None
-        total = torch.zeros((), device=device) if local is None else local.float()
-        total = collectives.all_reduce(total.clone(), comm, op="max", label="grad norm")
-    else:
-        powers = [torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads]
-        local = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
-        total = collectives.all_reduce(local.clone(), comm, op="sum", label="grad norm") ** (1.0 / norm_type)
+        maxima = [g.abs().max().float() for g in grads if g.numel()]
+        local = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
+        return collectives.all_reduce(local.clone(), comm, op="max", label="grad norm")
+    powers = [torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads]
+    local = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
+    return collectives.all_reduce(local.clone(), comm, op="sum", label="grad norm") ** (1.0 / norm_type)
+
+
+def clip_grad_norm_(params: list[Tensor], max_norm: float, norm_type: float, comm: Comm) -> Tensor:
+    """Clip by the global norm, as ``torch.nn.utils.clip_grad_norm_`` does on unsharded gradients:
+    coefficient max_norm / (total + 1e-6), clamped to 1, multiplied into every gradient. Returns the
+    total norm before clipping."""
+    total = global_grad_norm(params, norm_type, comm)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
     return total

@@ -107,9 +107,9 @@ class ShardedModel:
         if not local:
             return [[] for _ in units]
         if self.config.find_unused_parameters:
-            bits = torch.cat(local).to(torch.int32)
+            bits = torch.cat(local).to(self.comm.device, torch.int32)
             collectives.all_reduce(bits, self.comm, op="max", label="unused parameters")
-            agreed = list(bits.bool().split([u.numel() for u in local]))
+            agreed = list(bits.cpu().bool().split([u.numel() for u in local]))
         else:
             self._warn_unused(units)
             agreed = [torch.ones_like(u) for u in local]
@@ -150,6 +150,10 @@ class ShardedModel:
             if not keep_root_gathered:
                 self.root.reshard()
 
+    def broadcast_buffers(self) -> None:
+        """Give every rank rank 0's buffers: one broadcast per buffer dtype (DDP's broadcast_buffers)."""
+        _broadcast_buffers(self.module, self.comm, label="buffers")
+
     def prepare_backward(self, loss: Tensor) -> None:
         """Announce the root's pre-backward when backward starts from ``loss``."""
         hooks.hook_pre_backward(self, self.root, loss)
@@ -170,8 +174,7 @@ class ShardedModel:
                 for fp in unit.flat_params:
                     if fp in stepped:
                         fp.shard_from_master()
-            else:
-                unit.gather_after_step(stepped)
+            unit.gather_after_step(stepped)
         if not self._root_held:
             self.root.reshard()
 
@@ -208,7 +211,7 @@ def shard_model(module: nn.Module, config: ShardLabConfig, comm: Comm) -> Sharde
         unit = _build_unit(module, path, [u for u in uses if owners[id(u.param)] == path], config, comm)
         if unit.flat_params or unit.is_root:
             units.append(unit)
-    _broadcast_buffers(module, comm)
+    _broadcast_buffers(module, comm, label="setup buffers")
     sharded = ShardedModel(module, units, config, comm)
     for unit in units:
         unit.reshard()
@@ -255,10 +258,17 @@ def _place(root: nn.Module, fqn: str) -> Registration:
     return root.get_submodule(path), attr
 
 
-def _broadcast_buffers(module: nn.Module, comm: Comm) -> None:
+def _broadcast_buffers(module: nn.Module, comm: Comm, label: str) -> None:
+    """Coalesced: the buffers of each dtype travel as one flat tensor."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for buf in module.buffers():
+        by_dtype.setdefault(buf.dtype, []).append(buf)
     with torch.no_grad():
-        for name, buf in module.named_buffers():
-            collectives.broadcast(buf, comm, src=0, label=f"setup {name}")
+        for dtype, bufs in by_dtype.items():
+            flat = torch.cat([b.reshape(-1) for b in bufs]).to(comm.device)
+            collectives.broadcast(flat, comm, src=0, label=f"{label} {str(dtype).removeprefix('torch.')}")
+            for buf, value in zip(bufs, flat.split([b.numel() for b in bufs])):
+                buf.copy_(value.view_as(buf))
 
 
 def _check_same_layout(module: nn.Module, uses: list[ParamUse], owners: dict[int, str], comm: Comm) -> None:

@@ -32,7 +32,7 @@ from lightning_shardlab import checkpoint as ckpt
 from lightning_shardlab import collectives
 from lightning_shardlab.collectives import Comm
 from lightning_shardlab.config import Accumulation, ShardLabConfig
-from lightning_shardlab.optimizer import shard_optimizer
+from lightning_shardlab.optimizer import global_grad_norm, shard_optimizer
 from lightning_shardlab.precision import ShardLabPrecision, shardlab_precision
 from lightning_shardlab.shard_model import ShardedModel, shard_model
 
@@ -50,6 +50,8 @@ class ShardLabStrategy(ParallelStrategy):
         accumulation: 'reduce' every micro-batch into gradient shards, or 'defer' to the last one.
         find_unused_parameters: leave the gradients of parameters that no rank used as None, like DDP
             (one small all-reduce per backward).
+        broadcast_buffers: before each training step, copy rank 0's buffers (BatchNorm statistics) to
+            every rank, as DDP does.
         gradient_clip_norm_type: the norm ``Trainer(gradient_clip_val=...)`` clips by (2, 1 or 'inf').
         ranks_per_device: several ranks on one device (the single-box proxy).
         process_group_backend: 'gloo' or 'nccl' (default: gloo on CPU and for shared GPUs, else NCCL).
@@ -67,6 +69,7 @@ class ShardLabStrategy(ParallelStrategy):
         reshard_after_forward: bool = True,
         accumulation: str = "reduce",
         find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
         gradient_clip_norm_type: float | str = 2.0,
         ranks_per_device: int = 1,
         process_group_backend: str | None = None,
@@ -81,7 +84,8 @@ class ShardLabStrategy(ParallelStrategy):
         self.config = ShardLabConfig(
             stage=stage, unit_classes=unit_classes or (), min_unit_params=min_unit_params,
             reshard_after_forward=reshard_after_forward, accumulation=accumulation,
-            find_unused_parameters=find_unused_parameters, gradient_clip_norm_type=gradient_clip_norm_type,
+            find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
+            gradient_clip_norm_type=gradient_clip_norm_type,
             ranks_per_device=ranks_per_device, process_group_backend=process_group_backend, timeout_s=timeout_s,
             elementwise_optimizers=elementwise_optimizers or (),
         )
@@ -215,6 +219,8 @@ class ShardLabStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.sharded is not None and self.lightning_module is not None
+        if self.config.broadcast_buffers and self.world_size > 1:
+            self.sharded.broadcast_buffers()
         # automatic optimisation runs backward after the step: the root stays gathered for it
         with self.sharded.step(keep_root_gathered=self.lightning_module.automatic_optimization):
             return super().training_step(*args, **kwargs)
@@ -250,6 +256,18 @@ class ShardLabStrategy(ParallelStrategy):
                 yield
         else:
             yield
+
+    def grad_norm(self, norm_type: float | str = 2.0, optimizer: Optimizer | None = None) -> Tensor:
+        """Collective: the global norm of the current gradients (of ``optimizer``'s parameters, or all).
+
+        Equals what DDP users get from ``lightning.pytorch.utilities.grad_norm`` or torch's
+        ``clip_grad_norm_`` on the unsharded gradients; call it on every rank, e.g. in
+        ``on_before_optimizer_step``, and log it.
+        """
+        assert self.comm is not None
+        optimizers = [optimizer] if optimizer is not None else self.optimizers
+        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        return global_grad_norm(params, float(norm_type), self.comm)
 
     # ---- collectives Lightning asks for (metrics, barriers) ----
 

@@ -154,9 +154,12 @@ class Unit:
             used.zero_()
 
     def gather_after_step(self, stepped: set[FlatParam]) -> None:
-        """Stages 1-2: refresh the resident full buffers from the shards an optimizer just updated."""
+        """Refresh full buffers from the shards an optimizer just updated: always at stages 1-2 (resident),
+        and at stage 3 for a unit that is gathered right now (the root within a manually optimised step)."""
+        if self.state is UnitState.SHARDED:
+            return
         for fp in self.flat_params:
-            if fp in stepped:
+            if fp in stepped and (fp.resident_full or fp.gathers):
                 fp.shard_from_master()
                 collectives.all_gather(fp.full, fp.shard, self.comm, label=fp.layout.name)
 

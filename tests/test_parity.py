@@ -76,3 +76,29 @@ def test_stage3_matches_unsharded_reference_every_step(world_size: int) -> None:
 
 def test_stage3_keep_gathered_after_forward_matches_reference() -> None:
     run_ranks("tests.test_parity:core_parity", 3, {"stage": 3, "reshard_after_forward": False, "steps": 4}, timeout=120)
+
+
+def initial_values_come_from_rank_0() -> dict:
+    """Every rank initialises differently; after setup all hold rank 0's values (and buffers)."""
+    from lightning_shardlab.checkpoint import full_state_dict
+
+    comm = init_from_env()
+    torch.manual_seed(comm.rank)
+    model = OddNet()
+    model.register_buffer("counter", torch.full((3,), float(comm.rank)))
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    sharded = shard_model(model, ShardLabConfig(), comm)
+    state = full_state_dict(sharded)
+    buffer = model.counter.clone()
+    shutdown()
+    return {"original": original, "gathered": state, "buffer": buffer}
+
+
+def test_rank_0_initial_values_are_broadcast() -> None:
+    reports = run_ranks("tests.test_parity:initial_values_come_from_rank_0", 3, timeout=90)
+    rank0 = reports[0]
+    assert set(rank0["gathered"]) == set(rank0["original"])
+    for key, value in rank0["original"].items():
+        assert torch.equal(rank0["gathered"][key], value), key
+    assert not torch.equal(reports[1]["original"]["inp.weight"], rank0["original"]["inp.weight"])
+    assert all(torch.equal(r["buffer"], torch.zeros(3)) for r in reports)

@@ -89,3 +89,31 @@ def test_world_size_one_issues_no_collective_and_equals_plain_lightning_bit_for_
     assert report["calls"] == {}
     assert report["losses_equal"]
     assert report["params_equal"] and all(report["params_equal"].values()), report["params_equal"]
+
+
+def eval_loops(world_size: int) -> dict:
+    """validate / test / predict run sharded (gather, compute, free) and equal the unsharded model."""
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    data = token_dataset(4 * world_size)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardLabStrategy(), **QUIET)
+    mine = loader(data, 2, world_size, rank)
+    val = trainer.validate(model, mine, verbose=False)[0]["val_loss"]
+    test = trainer.test(model, mine, verbose=False)[0]["test_loss"]
+    predictions = trainer.predict(model, mine)
+    expected = [reference(batch[0]) for batch in mine]
+    with torch.no_grad():
+        ref_loss = reference.loss(data.tensors).item()
+    return {"val": val, "test": test, "ref_loss": ref_loss,
+            "predictions_equal": [torch.allclose(p, e, **FP32) for p, e in zip(predictions, expected)],
+            "sharded_at_rest": all(p.is_meta for p in model.blocks.parameters())}
+
+
+def test_validate_test_predict_run_sharded_and_match() -> None:
+    for report in run_ranks("tests.test_trainer:eval_loops", 2, {"world_size": 2}, timeout=120):
+        assert report["val"] == pytest.approx(report["ref_loss"], rel=1e-6)
+        assert report["test"] == pytest.approx(report["ref_loss"], rel=1e-6)
+        assert report["predictions_equal"] == [True, True]
+        assert report["sharded_at_rest"]

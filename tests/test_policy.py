@@ -1,0 +1,63 @@
+"""Which modules become units, and which unit owns each parameter (in one process, world size 1)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_shardlab import Comm, ShardLabConfig, shard_model
+from lightning_shardlab.policy import choose_unit_paths, owning_unit, param_uses
+from tests.models import OddNet, TinyGPT
+
+
+def test_default_policy_makes_each_repeated_block_a_unit() -> None:
+    assert choose_unit_paths(TinyGPT(n_layer=3), ShardLabConfig()) == ["", "blocks.0", "blocks.1", "blocks.2"]
+    # a Sequential of different layer types is not a repeated block; neither is a list of parameterless modules
+    mixed = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
+    assert choose_unit_paths(mixed, ShardLabConfig()) == [""]
+
+
+def test_unit_classes_by_import_path_and_minimum_size() -> None:
+    config = ShardLabConfig(unit_classes=("torch.nn.Linear",))
+    assert choose_unit_paths(OddNet(), config) == ["", "inp", "blocks.0.l1", "blocks.0.l2", "blocks.1.l1",
+                                                   "blocks.1.l2", "tiny", "out"]
+    config = ShardLabConfig(unit_classes=("torch.nn.Linear",), min_unit_params=100)
+    assert choose_unit_paths(OddNet(), config) == ["", "inp", "blocks.0.l1", "blocks.0.l2", "blocks.1.l1",
+                                                   "blocks.1.l2"]
+
+
+def test_tied_parameter_lives_in_the_lowest_common_unit() -> None:
+    model = TinyGPT(n_layer=2)
+    model.blocks[1].ln1.weight = model.blocks[0].ln1.weight  # tie across two block units
+    units = choose_unit_paths(model, ShardLabConfig())
+    owners = {use.fqns[0]: owning_unit(use, units) for use in param_uses(model)}
+    assert owners["wte.weight"] == ""  # embedding and head, both at the root
+    assert owners["blocks.0.ln1.weight"] == ""  # used by blocks 0 and 1: their common ancestor is the root
+    assert owners["blocks.0.ln2.weight"] == "blocks.0"
+    uses = {u.fqns[0]: u.fqns for u in param_uses(model)}
+    assert uses["wte.weight"] == ["wte.weight", "lm_head.weight"]
+
+
+def test_one_flat_param_per_dtype_and_requires_grad() -> None:
+    model = OddNet()
+    model.blocks[0].l1.weight.requires_grad_(False)
+    model.blocks[0].l2.to(torch.float64)
+    sharded = shard_model(model, ShardLabConfig(), Comm.single())
+    unit = next(u for u in sharded.units if u.name == "blocks.0")
+    kinds = [(fp.layout.dtype, fp.layout.requires_grad, [s.name for s in fp.layout.slots]) for fp in unit.flat_params]
+    assert kinds == [
+        (torch.float32, False, ["blocks.0.l1.weight"]),
+        (torch.float32, True, ["blocks.0.l1.bias"]),
+        (torch.float64, True, ["blocks.0.l2.weight", "blocks.0.l2.bias"]),
+    ]
+    # names never change, and at rest (stage 3) they hold meta placeholders of the original shapes
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in OddNet().named_parameters()]
+    assert model.blocks[0].l1.weight.is_meta and model.blocks[0].l1.weight.shape == (17, 15)
+    assert model.blocks[0].l2.weight.dtype == torch.float64
+
+
+def test_stages_1_and_2_keep_real_parameters_on_the_module() -> None:
+    model = OddNet()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    shard_model(model, ShardLabConfig(stage=2), Comm.single())
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
