@@ -21,15 +21,43 @@ from torch import Tensor
 from lightning_shardlab.ledger import Ledger
 
 
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective as every rank must issue it: the same sequence of these on every rank."""
+
+    seq: int  # this rank's count of collectives issued on its Comm
+    kind: str  # all_gather, reduce_scatter, all_reduce, broadcast, all_gather_object, ...
+    label: str  # what it moves, e.g. the flat parameter "blocks.3[float32]"
+    numel: int  # elements of the full (gathered / reduced) tensor; 0 for objects
+    dtype: str
+
+    @property
+    def fingerprint(self) -> tuple:
+        return (self.seq, self.kind, self.label, self.numel, self.dtype)
+
+
+class CollectiveObserver:
+    """Sees every collective of a Comm: ``started`` before it is launched (it may raise to stop it),
+    ``finished`` once it has been waited for."""
+
+    def started(self, call: CollectiveCall) -> None:
+        pass
+
+    def finished(self, call: CollectiveCall, seconds: float) -> None:
+        pass
+
+
 @dataclass
 class Comm:
-    """The process group this rank trains in, and where its traffic is recorded."""
+    """The process group this rank trains in, and who watches its traffic."""
 
     rank: int
     world_size: int
     device: torch.device
     group: Any = None  # None = the default (world) group
     ledger: Ledger = field(default_factory=Ledger)
+    observers: list[CollectiveObserver] = field(default_factory=list)
+    seq: int = 0
 
     @property
     def backend(self) -> str:
@@ -45,6 +73,19 @@ class Comm:
     @staticmethod
     def single() -> Comm:
         return Comm(rank=0, world_size=1, device=torch.device("cpu"))
+
+    def start(self, kind: str, label: str, tensor: Tensor | None) -> CollectiveCall:
+        call = CollectiveCall(self.seq, kind, label, 0 if tensor is None else tensor.numel(),
+                              "object" if tensor is None else str(tensor.dtype).removeprefix("torch."))
+        self.seq += 1
+        for observer in self.observers:
+            observer.started(call)
+        return call
+
+    def finish(self, call: CollectiveCall, nbytes: int, seconds: float) -> None:
+        self.ledger.record_collective(call.kind, call.label, nbytes, seconds)
+        for observer in self.observers:
+            observer.finished(call, seconds)
 
 
 class Pending:
@@ -66,15 +107,18 @@ class Pending:
         self._record(time.perf_counter() - self._started)
 
 
+NOTHING = Pending(None, None, lambda seconds: None)  # what world size 1 returns: nothing to wait for
+
+
 def _run(
-    comm: Comm, kind: str, label: str, nbytes: int, launch: Callable[[], Any], finish: Callable[[], None] | None,
+    comm: Comm, kind: str, label: str, full: Tensor, launch: Callable[[], Any], finish: Callable[[], None] | None,
     async_op: bool,
 ) -> Pending:
-    def record(seconds: float) -> None:
-        comm.ledger.record_collective(kind, label, nbytes, seconds)
-
+    """Announce the call to the observers, launch it, and (unless async) wait for it."""
+    call = comm.start(kind, label, full)
+    nbytes = full.numel() * full.element_size()
     with torch.profiler.record_function(f"shardlab::{kind} ({label})"):
-        pending = Pending(launch(), finish, record)
+        pending = Pending(launch(), finish, lambda seconds: comm.finish(call, nbytes, seconds))
     if not async_op:
         pending.wait()
     return pending
@@ -89,12 +133,11 @@ def all_gather(full: Tensor, shard: Tensor, comm: Comm, label: str = "", async_o
     if comm.world_size == 1:
         if full.data_ptr() != shard.data_ptr():
             full.copy_(shard)
-        return Pending(None, None, lambda s: None)
+        return NOTHING
     out, inp = _staged(full, comm), _staged(shard, comm)
     finish = (lambda: full.copy_(out)) if out is not full else None
-    nbytes = full.numel() * full.element_size()
     return _run(
-        comm, "all_gather", label, nbytes, lambda: dist.all_gather_single(out, inp, group=comm.group, async_op=True),
+        comm, "all_gather", label, full, lambda: dist.all_gather_single(out, inp, group=comm.group, async_op=True),
         finish, async_op,
     )
 
@@ -104,7 +147,7 @@ def reduce_scatter(shard: Tensor, full: Tensor, comm: Comm, label: str = "", asy
     if comm.world_size == 1:
         if full.data_ptr() != shard.data_ptr():
             shard.copy_(full)
-        return Pending(None, None, lambda s: None)
+        return NOTHING
     out, inp = _staged(shard, comm), _staged(full, comm)
     world = comm.world_size
 
@@ -114,9 +157,8 @@ def reduce_scatter(shard: Tensor, full: Tensor, comm: Comm, label: str = "", asy
         if out is not shard:
             shard.copy_(out)
 
-    nbytes = full.numel() * full.element_size()
     return _run(
-        comm, "reduce_scatter", label, nbytes,
+        comm, "reduce_scatter", label, full,
         lambda: dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=comm.group, async_op=True),
         finish, async_op,
     )
@@ -129,9 +171,8 @@ def all_reduce(tensor: Tensor, comm: Comm, op: str = "sum", label: str = "") -> 
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     buf = _staged(tensor, comm)
     finish = (lambda: tensor.copy_(buf)) if buf is not tensor else None
-    nbytes = tensor.numel() * tensor.element_size()
     _run(
-        comm, "all_reduce", label, nbytes,
+        comm, "all_reduce", label, tensor,
         lambda: dist.all_reduce(buf, op=ops[op], group=comm.group, async_op=True), finish, async_op=False,
     )
     return tensor
@@ -143,9 +184,8 @@ def broadcast(tensor: Tensor, comm: Comm, src: int = 0, label: str = "") -> Tens
         return tensor
     buf = _staged(tensor, comm)
     finish = (lambda: tensor.copy_(buf)) if buf is not tensor else None
-    nbytes = tensor.numel() * tensor.element_size()
     _run(
-        comm, "broadcast", label, nbytes,
+        comm, "broadcast", label, tensor,
         lambda: dist.broadcast(buf, src=src, group=comm.group, async_op=True), finish, async_op=False,
     )
     return tensor
@@ -156,15 +196,19 @@ def all_gather_object(obj: Any, comm: Comm, label: str = "") -> list[Any]:
     if comm.world_size == 1:
         return [obj]
     out: list[Any] = [None] * comm.world_size
+    call = comm.start("all_gather_object", label, None)
     started = time.perf_counter()
     dist.all_gather_object(out, obj, group=comm.group)
-    comm.ledger.record_collective("all_gather_object", label, 0, time.perf_counter() - started)
+    comm.finish(call, 0, time.perf_counter() - started)
     return out
 
 
-def barrier(comm: Comm) -> None:
+def barrier(comm: Comm, label: str = "") -> None:
     if comm.world_size > 1:
+        call = comm.start("barrier", label, None)
+        started = time.perf_counter()
         dist.barrier(group=comm.group)
+        comm.finish(call, 0, time.perf_counter() - started)
 
 
 def broadcast_object(obj: Any, comm: Comm, src: int = 0) -> Any:
@@ -172,5 +216,8 @@ def broadcast_object(obj: Any, comm: Comm, src: int = 0) -> Any:
     if comm.world_size == 1:
         return obj
     box = [obj]
+    call = comm.start("broadcast_object", "", None)
+    started = time.perf_counter()
     dist.broadcast_object_list(box, src=src, group=comm.group)
+    comm.finish(call, 0, time.perf_counter() - started)
     return box[0]

@@ -103,3 +103,28 @@ def run_ranks(
     if failed:
         raise RankFailed(f"rank {failed[0]} failed:\n{_tail(out / f'rank{failed[0]}.log')}", failed[0], {})
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def run_commands(commands: list[list[str]], timeout: float, env: dict[str, str] | None = None) -> list[str]:
+    """Run several commands at once (e.g. two torchrun "nodes"), each in its own session; return their
+    output. Any failure or the timeout kills every one of them (and their children)."""
+    out = Path(tempfile.mkdtemp(prefix="shardlab-cmd-"))
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    procs = [subprocess.Popen(cmd, env=full_env, stdout=open(out / f"{i}.log", "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True, cwd=ROOT) for i, cmd in enumerate(commands)]
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed:
+                raise RankFailed(f"command {failed[0]} failed:\n{_tail(out / f'{failed[0]}.log')}", None, {})
+            if time.monotonic() > deadline:
+                raise RankFailed(f"timed out after {timeout:.0f}s:\n{_tail(out / '0.log')}", None, {})
+            time.sleep(0.1)
+    finally:
+        _kill(procs)
+    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        raise RankFailed(f"command {failed[0]} failed:\n{_tail(out / f'{failed[0]}.log')}", None, {})
+    return [(out / f"{i}.log").read_text(errors="replace") for i in range(len(commands))]

@@ -139,13 +139,24 @@ def token_dataset(n: int, vocab: int = 37, block_size: int = 11, seed: int = 2) 
     return TensorDataset(data[:, :-1], data[:, 1:])
 
 
-def loader(dataset: TensorDataset, batch_size: int, world_size: int = 1, rank: int = 0) -> DataLoader:
-    """In order, rank r taking samples r, r + N, ... (Lightning's own sampler would shuffle training data).
+class OrderedData(L.LightningDataModule):
+    """Training data in order: rank r takes samples r, r + N, r + 2N, ... (Lightning's own sampler would
+    shuffle training data). Ranks are read from the trainer, so any launcher works. Pair it with
+    ``Trainer(use_distributed_sampler=False)``."""
 
-    Use with ``Trainer(use_distributed_sampler=False)``.
-    """
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    def __init__(self, dataset: TensorDataset, batch_size: int) -> None:
+        super().__init__()
+        self.dataset, self.batch_size = dataset, batch_size
+
+    def _loader(self) -> DataLoader:
+        sampler = DistributedSampler(self.dataset, num_replicas=self.trainer.world_size,
+                                     rank=self.trainer.global_rank, shuffle=False)
+        return DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    val_dataloader = test_dataloader = predict_dataloader = train_dataloader
 
 
 def global_batches(dataset: TensorDataset, local_batch: int, world_size: int) -> list[tuple[Tensor, ...]]:

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_shardlab import Comm, ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
 from tests.launch import run_ranks
-from tests.models import OddNet, TinyGPT, loader, token_dataset
+from tests.models import OrderedData, OddNet, TinyGPT, token_dataset
 
 
 @pytest.mark.parametrize(
@@ -94,7 +94,7 @@ def differing_model_fit() -> dict:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ShardLabStrategy(), max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False)
-    trainer.fit(model, loader(data, 2, 2, rank))
+    trainer.fit(model, OrderedData(data, 2))
     return {}
 
 

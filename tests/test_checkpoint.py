@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import lightning as L
@@ -11,7 +10,7 @@ import torch
 
 from lightning_shardlab import ShardLabStrategy
 from tests.launch import run_ranks
-from tests.models import TinyGPT, loader, token_dataset
+from tests.models import OrderedData, TinyGPT, token_dataset
 
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
              num_sanity_val_steps=0, limit_val_batches=0)
@@ -24,7 +23,7 @@ def _fit(world_size: int, stage: int, epochs: int, seed: int, ckpt_path: str | N
     data = token_dataset(4 * 2 * world_size)
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardLabStrategy(stage=stage),
                         max_epochs=epochs, enable_checkpointing=False, **QUIET)
-    trainer.fit(model, loader(data, 2, world_size, int(os.environ["RANK"])), ckpt_path=ckpt_path)
+    trainer.fit(model, OrderedData(data, 2), ckpt_path=ckpt_path)
     if save_to:
         trainer.save_checkpoint(save_to)
     return trainer.strategy.full_state_dict()

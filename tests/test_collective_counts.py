@@ -9,13 +9,14 @@ all-gather the updated shards once after the optimizer step.
 
 from __future__ import annotations
 
-import copy
+import os
 
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_shardlab import ShardLabConfig, shard_model, shard_optimizer
+from lightning_shardlab import ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
 from tests.counting import counting_collectives
 from tests.launch import run_ranks
 from tests.models import OddNet, regression_batches
@@ -65,3 +66,46 @@ def test_world_size_one_issues_no_collective() -> None:
     for stage in (1, 2, 3):
         (report,) = run_ranks("tests.test_collective_counts:count_per_step", 1, {"stage": stage}, timeout=60)
         assert all(counts == {} for counts in report["per_step"])
+
+
+class CountDuringTraining(L.Callback):
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self._ctx = counting_collectives()
+        self.counts = self._ctx.__enter__()
+
+    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self._ctx.__exit__(None, None, None)
+
+
+def count_with_accumulation(stage: int, accumulation: str, optimizer_steps: int = 3) -> dict:
+    from tests.models import OrderedData, RegressionNet, regression_dataset
+
+    torch.manual_seed(0)
+    callback = CountDuringTraining()
+    world = int(os.environ["WORLD_SIZE"])
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardLabStrategy(stage=stage, accumulation=accumulation),
+                        max_steps=optimizer_steps, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        callbacks=[callback])
+    class Quiet(RegressionNet):
+        def on_before_optimizer_step(self, optimizer) -> None:  # noqa: ANN001
+            pass  # no grad-norm logging: its all-reduce is the user's, not ours
+
+    trainer.fit(Quiet(), OrderedData(regression_dataset(2 * 2 * optimizer_steps * world), 2))
+    # Lightning itself broadcasts a SIGTERM flag before every batch; that one is not ours
+    ours = {k: v for k, v in callback.counts.items() if k != "broadcast"}
+    return {"counts": ours, "lightning_broadcasts": callback.counts["broadcast"], "steps": optimizer_steps}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("accumulation", ["reduce", "defer"])
+def test_collectives_per_step_with_gradient_accumulation(stage: int, accumulation: str) -> None:
+    """Two micro-batches per optimizer step: 'reduce' reduce-scatters after each, 'defer' only after the last."""
+    report = run_ranks("tests.test_collective_counts:count_with_accumulation", 2,
+                       {"stage": stage, "accumulation": accumulation}, timeout=120)[0]
+    root, other, micro = 1, 4, 2  # OddNet's flat parameters; micro-batches per step
+    reductions = (root + other) * (micro if accumulation == "reduce" else 1)
+    gathers = micro * (root + 2 * other) if stage == 3 else root + other
+    steps = report["steps"]
+    assert report["counts"] == {"reduce_scatter_single": reductions * steps, "all_gather_single": gathers * steps}
+    assert report["lightning_broadcasts"] == micro * steps

@@ -9,7 +9,6 @@ against ``full_state_dict()``). fp32 tolerance, at least 6 optimizer steps.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,8 +19,8 @@ from torch.testing import assert_close
 
 from lightning_shardlab import ShardLabStrategy
 from tests.launch import run_ranks
-from tests.models import (BranchyNet, GroupedGPT, ManualNet, ParityModule, RegressionNet, TinyCNN, image_dataset,
-                          loader, regression_dataset, token_dataset)
+from tests.models import (BranchyNet, OrderedData, GroupedGPT, ManualNet, ParityModule, RegressionNet, TinyCNN, image_dataset,
+                          regression_dataset, token_dataset)
 from tests.reference import FP32
 
 
@@ -58,7 +57,6 @@ SCENARIOS = {
 
 
 def _fit(scenario: Scenario, model: ParityModule, strategy: object, world_size: int) -> L.Trainer:
-    rank = int(os.environ["RANK"])
     steps = 12 * scenario.trainer.get("accumulate_grad_batches", 1)
     epochs = scenario.trainer.get("max_epochs", 1)
     data = scenario.data(max(steps, 2 * epochs) * scenario.local_batch * world_size // epochs)
@@ -67,7 +65,7 @@ def _fit(scenario: Scenario, model: ParityModule, strategy: object, world_size: 
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, num_sanity_val_steps=0, **kwargs)
     model.clip_norm_type = scenario.clip_norm_type
-    trainer.fit(model, loader(data, scenario.local_batch, world_size, rank))
+    trainer.fit(model, OrderedData(data, scenario.local_batch))
     return trainer
 
 
@@ -89,13 +87,27 @@ def ddp_parity(world_size: int, stages: list[int], names: list[str]) -> dict:
                          msg=lambda m: f"losses: {where}\n{m}")
             assert_close(torch.stack(model.grad_norms), torch.stack(reference.grad_norms), **FP32,
                          msg=lambda m: f"grad norms: {where}\n{m}")
+            _check_frozen(trainer, where)
             state = trainer.strategy.full_state_dict()
             if trainer.global_rank == 0:
                 assert list(state) == list(ref_state), where
                 for key, value in ref_state.items():
                     assert_close(state[key], value, **FP32, msg=lambda m, k=key: f"{k}: {where}\n{m}")
+                frozen = [n for n, p in initial.named_parameters() if not p.requires_grad]
+                for key in frozen:  # bit for bit unchanged
+                    assert torch.equal(state[key], initial.state_dict()[key]), f"{key}: {where}"
             report[(name, stage)] = len(model.losses)
     return report
+
+
+def _check_frozen(trainer: L.Trainer, where: str) -> None:
+    """Frozen parameters have no gradient buffer and no optimizer state."""
+    stateful = {id(p) for opt in trainer.optimizers for p, s in opt.state.items() if s}
+    for fp in trainer.strategy.sharded.flat_params:
+        if not fp.layout.requires_grad:
+            assert fp.grad_shard is None, f"{fp.layout.name}: {where}"
+            assert not any(p.grad is not None for p in fp.unsharded_params), where
+            assert not any(id(m) in stateful for m in fp.master_params), f"{fp.layout.name}: {where}"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -14,21 +14,24 @@ from torch.testing import assert_close
 from lightning_shardlab import ShardLabStrategy
 from tests.counting import counting_collectives
 from tests.launch import run_ranks
-from tests.models import TinyGPT, global_batches, loader, token_dataset
+from tests.models import OrderedData, TinyGPT, global_batches, token_dataset
 from tests.reference import FP32
 
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
              use_distributed_sampler=False)
 
 
-def fit_gpt(strategy, world_size: int, steps: int, local_batch: int, optimizer: str = "adamw") -> tuple:
+def fit_gpt(strategy, world_size: int, steps: int, local_batch: int, optimizer: str = "adamw",
+            **trainer_kwargs) -> tuple:
+    """Fit TinyGPT on ``world_size`` ranks (``devices=world_size`` unless the kwargs say otherwise)."""
     torch.manual_seed(0)
     model = TinyGPT(optimizer=optimizer)
     reference = copy.deepcopy(model)
     data = token_dataset(steps * local_batch * world_size)
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps,
-                        num_sanity_val_steps=0, limit_val_batches=0, **QUIET)
-    trainer.fit(model, loader(data, local_batch, world_size, int(os.environ["RANK"])))
+    kwargs = {"accelerator": "cpu", "devices": world_size, **trainer_kwargs}
+    trainer = L.Trainer(strategy=strategy, max_steps=steps, num_sanity_val_steps=0, limit_val_batches=0, **QUIET,
+                        **kwargs)
+    trainer.fit(model, OrderedData(data, local_batch))
     return trainer, model, reference, data
 
 
@@ -44,10 +47,14 @@ def reference_run(reference: TinyGPT, data, local_batch: int, world_size: int) -
     return losses, reference.state_dict()
 
 
-def gpt_parity(world_size: int, stage: int = 3, steps: int = 10, local_batch: int = 2, optimizer: str = "adamw") -> dict:
-    trainer, model, reference, data = fit_gpt(ShardLabStrategy(stage=stage), world_size, steps, local_batch, optimizer)
+def gpt_parity(world_size: int, stage: int = 3, steps: int = 10, local_batch: int = 2, optimizer: str = "adamw",
+               ranks_per_device: int = 1, **trainer_kwargs) -> dict:
+    """Fit sharded, then (rank 0) check losses and weights against the unsharded reference."""
+    strategy = ShardLabStrategy(stage=stage, ranks_per_device=ranks_per_device)
+    trainer, model, reference, data = fit_gpt(strategy, world_size, steps, local_batch, optimizer, **trainer_kwargs)
+    assert trainer.world_size == world_size
     state = trainer.strategy.full_state_dict()
-    losses = torch.stack(model.losses)
+    losses = torch.stack(model.losses).cpu()
     if world_size > 1:
         dist.all_reduce(losses)
     losses /= world_size
@@ -61,7 +68,7 @@ def gpt_parity(world_size: int, stage: int = 3, steps: int = 10, local_batch: in
     for key, value in ref_state.items():
         assert state[key].device.type == "cpu"
         assert_close(state[key], value, **FP32, msg=key)
-    return {"losses": losses.tolist()}
+    return {"losses": losses.tolist(), "world_size": trainer.world_size}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -99,11 +106,11 @@ def eval_loops(world_size: int) -> dict:
     reference = copy.deepcopy(model)
     data = token_dataset(4 * world_size)
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardLabStrategy(), **QUIET)
-    mine = loader(data, 2, world_size, rank)
-    val = trainer.validate(model, mine, verbose=False)[0]["val_loss"]
-    test = trainer.test(model, mine, verbose=False)[0]["test_loss"]
-    predictions = trainer.predict(model, mine)
-    expected = [reference(batch[0]) for batch in mine]
+    val = trainer.validate(model, OrderedData(data, 2), verbose=False)[0]["val_loss"]
+    test = trainer.test(model, OrderedData(data, 2), verbose=False)[0]["test_loss"]
+    predictions = trainer.predict(model, OrderedData(data, 2))
+    mine = data.tensors[0][rank::world_size]  # what this rank's sampler gave it, in order
+    expected = [reference(mine[i : i + 2]) for i in range(0, len(mine), 2)]
     with torch.no_grad():
         ref_loss = reference.loss(data.tensors).item()
     return {"val": val, "test": test, "ref_loss": ref_loss,

@@ -1,0 +1,36 @@
+"""The CUDA paths: NCCL with one rank per GPU, and ranks sharing one GPU through gloo.
+
+Marked ``gpu``: skipped, with that reason, on machines without CUDA (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch import free_port, run_commands, run_ranks
+
+pytestmark = pytest.mark.gpu
+
+
+def test_one_rank_on_one_gpu_matches_the_reference() -> None:
+    (report,) = run_ranks("tests.test_trainer:gpt_parity", 1, {"world_size": 1, "accelerator": "cuda"}, timeout=300)
+    assert report["world_size"] == 1
+
+
+def test_two_ranks_sharing_one_gpu_pass_stage3_parity(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    run_commands([[sys.executable, "-m", "tests.test_launchers", "proxy_cuda", str(out)]], timeout=300,
+                 env={"MASTER_PORT": str(free_port())})
+    assert json.loads(out.read_text())["world_size"] == 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL with one rank per GPU needs 2 GPUs")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_nccl_one_rank_per_gpu_matches_the_reference(stage: int) -> None:
+    run_ranks("tests.test_trainer:gpt_parity", 2, {"world_size": 2, "stage": stage, "accelerator": "cuda"},
+              timeout=300)
