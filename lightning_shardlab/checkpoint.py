@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_shardlab.flat_param import FlatParam, alloc_storage, free_storage, storage_is_allocated
+from lightning_shardlab.flat_param import FlatParam
 from lightning_shardlab import collectives
 from lightning_shardlab.shard_model import ShardedModel, placeholders_allowed
 
@@ -71,11 +71,7 @@ def load_full_state_dict(sharded: ShardedModel, state_dict: Mapping[str, Any], s
 
 
 def _load_flat_param(fp: FlatParam, values: list[Tensor]) -> None:
-    was_freed = not storage_is_allocated(fp.full)
-    alloc_storage(fp.full)
-    fp.load_full([v.to(fp.full.device, fp.full.dtype) for v in values])
-    if was_freed:
-        free_storage(fp.full)
+    fp.load(fp.flatten(values))
 
 
 def _index(optimizer: Optimizer, sharded: ShardedModel) -> list[tuple[Tensor, FlatParam, int]]:

@@ -6,7 +6,10 @@ import importlib
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 
+import torch
 from torch import nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Stage(IntEnum):
@@ -72,6 +75,10 @@ class ShardLabConfig:
     gradient_clip_norm_type: float = 2.0
     """The norm Lightning's ``gradient_clip_val`` clips by: 2, 1, or ``inf`` (any p > 0), over all ranks' shards."""
 
+    reduce_dtype: str | None = None
+    """The dtype gradients are reduce-scattered in: 'fp32', 'bf16' or 'fp16'. None: fp32 under mixed
+    precision (bf16 halves the traffic, at the cost of rounding the sum), else the parameters' dtype."""
+
     ranks_per_device: int = 1
     """Ranks per device: >1 runs a world of several ranks on one CPU or one GPU (the single-box proxy)."""
 
@@ -96,6 +103,7 @@ class ShardLabConfig:
         except ValueError:
             _choice("accumulation", self.accumulation, tuple(a.value for a in Accumulation))
         _choice("process_group_backend", self.process_group_backend, (None, "gloo", "nccl"))
+        _choice("reduce_dtype", self.reduce_dtype, (None, *DTYPES))
         for option in ("min_unit_params", "ranks_per_device"):
             value = getattr(self, option)
             minimum = 0 if option == "min_unit_params" else 1
@@ -129,3 +137,17 @@ class ShardLabConfig:
         object.__setattr__(self, "unit_types", types)
         for path in self.elementwise_optimizers:
             import_path(path, "elementwise_optimizers")
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """How the flat parameters are typed; set from the Trainer's ``precision`` (see precision.py)."""
+
+    compute_dtype: torch.dtype | None = None
+    """What floating parameters are gathered and computed in; None: their own dtype (fp32 training)."""
+
+    reduce_dtype: torch.dtype | None = None
+    """What gradients are reduce-scattered in; None: the master dtype (fp32 under mixed precision)."""
+
+    def compute_for(self, dtype: torch.dtype) -> torch.dtype:
+        return self.compute_dtype if self.compute_dtype is not None and dtype.is_floating_point else dtype

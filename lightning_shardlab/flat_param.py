@@ -156,8 +156,12 @@ def storage_is_allocated(tensor: Tensor) -> bool:
 class FlatParam:
     """The tensors of one flat parameter on this rank (names as in [Note: shardlab tensors]).
 
-    ``resident_full`` is True at stages 1-2 (``full`` always allocated, ``shard`` a view of it) and
-    False at stage 3 (``shard`` is its own tensor, ``full`` only exists while gathered).
+    dtypes: ``layout.dtype`` is the parameters' own dtype, which the master shard and the placeholders
+    keep; ``compute_dtype`` is what is gathered and computed with (bf16 under mixed precision, else the
+    same); ``reduce_dtype`` is what the reduce-scatter sums in; ``grad_dtype`` is what the grad shard
+    holds between steps (the compute dtype: 2 bytes under mixed precision, the seed's ledger; the
+    optimizer reads an fp32 copy, ``master_grad``, that lives only until its step). ``resident_full`` is True at stages 1-2 (``full`` always
+    allocated, ``shard`` a view of it) and False at stage 3 (``full`` exists only while gathered).
     """
 
     def __init__(
@@ -165,25 +169,31 @@ class FlatParam:
         layout: FlatParamLayout,
         rank: int,
         device: torch.device,
-        master_dtype: torch.dtype,
         resident_full: bool,
+        compute_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.layout = layout
         self.rank = rank
         self.resident_full = resident_full
+        self.compute_dtype = compute_dtype or layout.dtype
+        self.grad_dtype = self.compute_dtype
+        # gradients are reduced in fp32 under mixed precision unless asked otherwise (the sum of N
+        # low-precision gradients would round N times)
+        self.reduce_dtype = reduce_dtype or layout.dtype
         n, s = layout.padded_numel, layout.shard_numel
         start, end = layout.shard_range(rank)
-        self.full: Tensor = torch.zeros(n, dtype=layout.dtype, device=device)  # 1-D, padded_numel
+        self.full: Tensor = torch.zeros(n, dtype=self.compute_dtype, device=device)  # 1-D, padded_numel
         if resident_full or layout.world_size == 1:
             # World size 1: the shard is the whole buffer, so gathering needs no copy at all.
             self.shard: Tensor = self.full[start:end]  # 1-D, S
         else:
-            self.shard = torch.zeros(s, dtype=layout.dtype, device=device)  # 1-D, S
-        needs_master = layout.requires_grad and layout.dtype != master_dtype
-        self.master: Tensor = (  # 1-D, S, fp32
-            torch.zeros(s, dtype=master_dtype, device=device) if needs_master else self.shard
-        )
-        self.grad_shard: Tensor | None = None  # 1-D, S, master dtype; allocated by the first reduction
+            self.shard = torch.zeros(s, dtype=self.compute_dtype, device=device)  # 1-D, S
+        mixed = self.compute_dtype != layout.dtype
+        self.master: Tensor = torch.zeros(s, dtype=layout.dtype, device=device) if mixed else self.shard  # 1-D, S
+        self.grad_shard: Tensor | None = None  # 1-D, S, grad dtype; allocated by the first reduction
+        self.master_grad: Tensor | None = None  # 1-D, S, master dtype; mixed precision, only for a step
+        self.grads_shown = False  # the master views' .grad point at this gradient (see gradients.py)
         self.unsharded_params: list[nn.Parameter] = [
             nn.Parameter(alias(self.full, slot.offset, slot.shape), layout.requires_grad) for slot in layout.slots
         ]
@@ -201,22 +211,21 @@ class FlatParam:
         """Whether this flat parameter ever needs an all-gather to compute (stage 3 with world > 1)."""
         return not self.resident_full and self.layout.world_size > 1
 
-    def load_full(self, values: list[Tensor]) -> None:
-        """Write the original parameters' values into ``full`` (padding zero) and refresh the shards."""
-        with torch.no_grad():
-            for slot, value in zip(self.layout.slots, values):
-                self.full[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
-            self.full[self.layout.numel :].zero_()
-            self.shard_from_full()
+    def flatten(self, values: list[Tensor]) -> Tensor:
+        """The parameters' values laid out like ``full``, in their own dtype (padding zero). 1-D, padded_numel."""
+        parts = [v.detach().reshape(-1).to(self.master.device, self.layout.dtype) for v in values]
+        if self.layout.padding:
+            parts.append(torch.zeros(self.layout.padding, dtype=self.layout.dtype, device=self.master.device))
+        return torch.cat(parts)
 
-    def shard_from_full(self) -> None:
-        """Copy this rank's slice of ``full`` into ``shard`` and ``master`` (no-ops when they are views)."""
+    def load(self, flat: Tensor) -> None:
+        """Take this rank's slice of ``flat`` (from ``flatten``) as the master and compute shards."""
         start, end = self.layout.shard_range(self.rank)
         with torch.no_grad():
-            if self.shard.data_ptr() != self.full[start:end].data_ptr():
-                self.shard.copy_(self.full[start:end])
-            if self.master is not self.shard:
-                self.master.copy_(self.shard)
+            self.master.copy_(flat[start:end])
+            self.shard_from_master()
+            if self.resident_full:
+                self.full.copy_(flat)  # stages 1-2: the resident compute copy, whole
 
     def shard_from_master(self) -> None:
         """After an optimizer step in mixed precision: refresh the compute-dtype shard."""

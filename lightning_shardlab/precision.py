@@ -1,22 +1,56 @@
-"""Lightning's precision plugin, made shard-aware: gradient clipping by the global norm.
+"""Precision for sharded training: the Lightning plugin and what it tells the flat parameters.
 
-Lightning clips through ``Precision.clip_gradients``; the plain plugin would take the norm of this
-rank's shard only. This plugin takes the norm over every rank's shards (one all-reduce), so the
-clipped gradients, and the norm, equal DDP's.
+| precision    | gathered, computed in     | master shard | grads kept in | reduced in (default) |
+| ------------ | ------------------------- | ------------ | ------------- | -------------------- |
+| "32-true"    | fp32                      | = the shard  | fp32          | fp32                 |
+| "bf16-mixed" | bf16 copies, autocast     | fp32         | bf16          | fp32                 |
+| "16-mixed"   | fp16 copies, autocast     | fp32         | fp16          | fp32; dynamic loss scale |
+| "bf16-true"  | bf16 (module converted)   | = the shard  | bf16          | bf16                 |
+
+With "bf16-mixed" and AdamW each rank holds 2 B compute copy + 2 B gradient + 4 B master + 8 B
+moments = 16 B per parameter, divided by N at stage 3 (the seed's ledger). Gradient clipping takes
+the global norm over every rank's shards; the fp16 loss scale skips a step when any rank overflowed.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.plugins.precision import Precision
+import torch
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning_utilities import apply_to_collection
+from torch import Tensor
+from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shardlab.collectives import Comm
+from lightning_shardlab import collectives, gradients
+from lightning_shardlab.config import DTYPES, PrecisionPolicy
 from lightning_shardlab.optimizer import clip_grad_norm_
 
-SUPPORTED = ("32-true",)
+if TYPE_CHECKING:
+    from lightning_shardlab.shard_model import ShardedModel
+
+SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+COMPUTE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+class DynamicLossScale:
+    """fp16's loss scale: halve it on overflow (and skip the step), double it after ``interval`` good steps."""
+
+    def __init__(self, scale: float = 2.0**16, interval: int = 2000) -> None:
+        self.scale, self.interval, self.good_steps = scale, interval, 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale, self.good_steps = self.scale / 2, 0
+        else:
+            self.good_steps += 1
+            if self.good_steps == self.interval:
+                self.scale, self.good_steps = self.scale * 2, 0
 
 
 class ShardLabPrecision(Precision):
@@ -28,22 +62,107 @@ class ShardLabPrecision(Precision):
         super().__init__()
         self.precision = precision  # type: ignore[assignment]
         self.norm_type = norm_type
-        self.comm: Comm | None = None  # set by the strategy once the process group exists
-        self.last_grad_norm: Any = None
+        self.device_type = "cpu"  # for autocast; the strategy sets its root device's type
+        self.loss_scale = DynamicLossScale() if precision == "16-mixed" else None
+        self.sharded: ShardedModel | None = None  # set by the strategy once the model is sharded
+        self.last_grad_norm: Tensor | None = None
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return COMPUTE.get(self.precision)
+
+    def policy(self, reduce_dtype: str | None) -> PrecisionPolicy:
+        return PrecisionPolicy(self.compute_dtype, DTYPES[reduce_dtype] if reduce_dtype else None)
+
+    # ---- where tensors are made and computed ----
+
+    @override
+    def convert_module(self, module: Module) -> Module:
+        return module.to(torch.bfloat16) if self.precision == "bf16-true" else module
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        return _DtypeContextManager(torch.bfloat16) if self.precision == "bf16-true" else nullcontext()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.compute_dtype is not None:  # the gathered copies are already low precision; autocast
+            with torch.autocast(self.device_type, dtype=self.compute_dtype, cache_enabled=False):
+                yield  # keeps softmax, norms and losses in fp32 and matches the inputs to them
+        else:
+            with self.tensor_init_context():
+                yield
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.precision != "bf16-true":
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.bfloat16)
+
+    # ---- gradients: global clipping, fp16 loss scaling ----
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        assert self.comm is not None, "the strategy connects the precision plugin before training"
-        self.last_grad_norm = clip_grad_norm_(list(self.main_params(optimizer)), clip_val, self.norm_type, self.comm)
+        assert self.sharded is not None, "the strategy connects the precision plugin before training"
+        params = list(self.main_params(optimizer))
+        self.last_grad_norm = clip_grad_norm_(params, clip_val, self.norm_type, self.sharded.comm)
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
+        if self.loss_scale is not None:
+            tensor = tensor * self.loss_scale.scale
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if self.loss_scale is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            return closure_result  # backward was skipped
+        overflow = self._unscale(optimizer)
+        self._after_closure(model, optimizer)
+        self.loss_scale.update(overflow)
+        if overflow:  # every rank agrees: skip this step, as torch's GradScaler does
+            assert self.sharded is not None
+            for fp in self.sharded.flat_params:
+                gradients.release(fp)
+            return closure_result
+        return optimizer.step(**kwargs)
+
+    def _unscale(self, optimizer: Optimizer) -> bool:
+        """Divide the gradients by the loss scale; True when any rank saw inf or nan (one all-reduce)."""
+        assert self.sharded is not None
+        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
+        bad = torch.zeros((), dtype=torch.int32, device=self.sharded.comm.device)
+        for g in grads:
+            g.mul_(1.0 / self.loss_scale.scale)
+            bad |= (~torch.isfinite(g)).any().int()
+        return bool(collectives.all_reduce(bad, self.sharded.comm, op="max", label="loss scale overflow"))
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.loss_scale is None else dict(vars(self.loss_scale))
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.loss_scale is not None and state_dict:
+            vars(self.loss_scale).update(state_dict)
 
 
 def shardlab_precision(plugin: Precision | None, norm_type: float) -> ShardLabPrecision:
     """The shardlab plugin for what the Trainer chose (``precision=...``); refuses what it cannot honour."""
     if plugin is None or isinstance(plugin, ShardLabPrecision):
         return plugin or ShardLabPrecision(norm_type=norm_type)
-    if type(plugin) is Precision:
-        return ShardLabPrecision("32-true", norm_type)
     name = getattr(plugin, "precision", type(plugin).__name__)
+    if type(plugin) in (Precision, MixedPrecision, HalfPrecision) and name in SUPPORTED:
+        return ShardLabPrecision(name, norm_type)
     raise ValueError(
         f"`Trainer(precision={name!r})` is not supported by the shardlab strategy. Allowed: {', '.join(SUPPORTED)}."
     )
+

@@ -15,9 +15,9 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from lightning_shardlab import collectives, hooks
+from lightning_shardlab import collectives, gradients, hooks
 from lightning_shardlab.collectives import Comm
-from lightning_shardlab.config import ShardLabConfig, Stage
+from lightning_shardlab.config import PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.flat_param import FlatParam, FlatParamLayout
 from lightning_shardlab.policy import ParamUse, choose_unit_paths, owning_unit, param_uses
 from lightning_shardlab.unit import Registration, Unit
@@ -28,12 +28,15 @@ _SHARDED: weakref.WeakKeyDictionary[nn.Module, ShardedModel] = weakref.WeakKeyDi
 class ShardedModel:
     """The units of one sharded module and the rules that drive them through a step."""
 
-    def __init__(self, module: nn.Module, units: list[Unit], config: ShardLabConfig, comm: Comm) -> None:
+    def __init__(self, module: nn.Module, units: list[Unit], config: ShardLabConfig, comm: Comm,
+                 policy: PrecisionPolicy) -> None:
         self.module = module
         self.units = units  # root first, then in named_modules() order
         self.config = config
         self.comm = comm
+        self.policy = policy
         self._sync = True  # reduce gradients in this backward (False inside no_sync())
+        self._show = True  # show reduced gradients to the optimizer (False inside accumulating())
         self._root_held = False  # the strategy keeps the root gathered for a whole step
         self._end_of_backward = hooks.EndOfBackward(self._finish_backward)
         self._warned_unused: set[str] = set()
@@ -95,8 +98,12 @@ class ShardedModel:
                     unit.reduce_grads(async_op=True)
             for unit in pending:
                 unit.wait_reductions()
-            for unit, used in zip(pending, self._agree_on_usage(pending)):
-                unit.attach_grads(used)
+            if self._show:
+                for unit, used in zip(pending, self._agree_on_usage(pending)):
+                    unit.show_grads(used)
+            else:
+                for unit in pending:
+                    unit.end_reduction()
         for unit in self.units:
             if not (unit.is_root and self._root_held):
                 unit.reshard()
@@ -167,13 +174,23 @@ class ShardedModel:
         finally:
             self._sync = previous
 
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backward passes inside reduce into the grad shards but do not show them to the optimizer yet:
+        no optimizer step follows (a micro-batch that does not end a step)."""
+        previous, self._show = self._show, False
+        try:
+            yield
+        finally:
+            self._show = previous
+
     def after_optimizer_step(self, stepped: set[FlatParam]) -> None:
         """Bring the compute copies up to date with the master shards an optimizer just updated."""
-        for unit in self.units:
+        for fp in stepped:
+            gradients.release(fp)
             if self.config.stage is Stage.PARAMETERS:
-                for fp in unit.flat_params:
-                    if fp in stepped:
-                        fp.shard_from_master()
+                fp.shard_from_master()
+        for unit in self.units:
             unit.gather_after_step(stepped)
         if not self._root_held:
             self.root.reshard()
@@ -187,15 +204,18 @@ class ShardedModel:
         return out
 
 
-def shard_model(module: nn.Module, config: ShardLabConfig, comm: Comm) -> ShardedModel:
+def shard_model(
+    module: nn.Module, config: ShardLabConfig, comm: Comm, policy: PrecisionPolicy | None = None
+) -> ShardedModel:
     """Shard ``module`` in place and install its hooks. Every rank must call it (it communicates).
 
     Order: 1. choose units and lay out flat params  2. check all ranks built the same layout
     3. broadcast rank 0's initial values  4. point the module at placeholders / unsharded params.
     """
+    policy = policy or PrecisionPolicy()
     existing = _SHARDED.get(module)
     if existing is not None:
-        if existing.config == config and existing.comm.world_size == comm.world_size:
+        if existing.config == config and existing.policy == policy and existing.comm.world_size == comm.world_size:
             return existing
         raise ValueError(
             f"{type(module).__name__} is already sharded (stage {int(existing.config.stage)}, world size"
@@ -208,11 +228,11 @@ def shard_model(module: nn.Module, config: ShardLabConfig, comm: Comm) -> Sharde
     _check_same_layout(module, uses, owners, comm)
     units = []
     for path in unit_paths:
-        unit = _build_unit(module, path, [u for u in uses if owners[id(u.param)] == path], config, comm)
+        unit = _build_unit(module, path, [u for u in uses if owners[id(u.param)] == path], config, comm, policy)
         if unit.flat_params or unit.is_root:
             units.append(unit)
     _broadcast_buffers(module, comm, label="setup buffers")
-    sharded = ShardedModel(module, units, config, comm)
+    sharded = ShardedModel(module, units, config, comm, policy)
     for unit in units:
         unit.reshard()
         hooks.install(sharded, unit)
@@ -230,7 +250,9 @@ def _refuse_meta(module: nn.Module) -> None:
             )
 
 
-def _build_unit(root: nn.Module, path: str, uses: list[ParamUse], config: ShardLabConfig, comm: Comm) -> Unit:
+def _build_unit(
+    root: nn.Module, path: str, uses: list[ParamUse], config: ShardLabConfig, comm: Comm, policy: PrecisionPolicy
+) -> Unit:
     """One flat param per (dtype, requires_grad) group, in first-appearance order; values from rank 0."""
     groups: dict[tuple[torch.dtype, bool], list[ParamUse]] = {}
     for use in uses:
@@ -240,11 +262,11 @@ def _build_unit(root: nn.Module, path: str, uses: list[ParamUse], config: ShardL
         layout = FlatParamLayout.build(
             path or "root", dtype, requires_grad, [(tuple(u.fqns), u.param.shape) for u in group], comm.world_size
         )
-        fp = FlatParam(layout, comm.rank, comm.device, master_dtype=dtype,
-                       resident_full=config.stage is not Stage.PARAMETERS)
-        fp.load_full([u.param.detach().to(comm.device) for u in group])
-        collectives.broadcast(fp.full, comm, src=0, label=f"setup {layout.name}")
-        fp.shard_from_full()
+        fp = FlatParam(layout, comm.rank, comm.device, resident_full=config.stage is not Stage.PARAMETERS,
+                       compute_dtype=policy.compute_for(dtype), reduce_dtype=policy.reduce_dtype)
+        flat = fp.flatten([u.param for u in group])  # 1-D, padded_numel: rank 0's values win
+        collectives.broadcast(flat, comm, src=0, label=f"setup {layout.name}")
+        fp.load(flat)
         flat_params.append(fp)
         registrations.append([[_place(root, fqn) for fqn in u.fqns] for u in group])
     unit = Unit(path, root.get_submodule(path), flat_params, registrations, comm,

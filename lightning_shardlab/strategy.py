@@ -52,6 +52,8 @@ class ShardLabStrategy(ParallelStrategy):
             (one small all-reduce per backward).
         broadcast_buffers: before each training step, copy rank 0's buffers (BatchNorm statistics) to
             every rank, as DDP does.
+        reduce_dtype: 'fp32', 'bf16' or 'fp16': what gradients are reduce-scattered in (default: fp32 under
+            mixed precision, else the parameters' dtype).
         gradient_clip_norm_type: the norm ``Trainer(gradient_clip_val=...)`` clips by (2, 1 or 'inf').
         ranks_per_device: several ranks on one device (the single-box proxy).
         process_group_backend: 'gloo' or 'nccl' (default: gloo on CPU and for shared GPUs, else NCCL).
@@ -70,6 +72,7 @@ class ShardLabStrategy(ParallelStrategy):
         accumulation: str = "reduce",
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
+        reduce_dtype: str | None = None,
         gradient_clip_norm_type: float | str = 2.0,
         ranks_per_device: int = 1,
         process_group_backend: str | None = None,
@@ -84,7 +87,7 @@ class ShardLabStrategy(ParallelStrategy):
         self.config = ShardLabConfig(
             stage=stage, unit_classes=unit_classes or (), min_unit_params=min_unit_params,
             reshard_after_forward=reshard_after_forward, accumulation=accumulation,
-            find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype,
             gradient_clip_norm_type=gradient_clip_norm_type,
             ranks_per_device=ranks_per_device, process_group_backend=process_group_backend, timeout_s=timeout_s,
             elementwise_optimizers=elementwise_optimizers or (),
@@ -194,12 +197,14 @@ class ShardLabStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         assert self.comm is not None and self.lightning_module is not None
-        self.sharded = shard_model(self.lightning_module, self.config, self.comm)
+        plugin = self.precision_plugin
+        plugin.device_type = self.root_device.type
+        self.sharded = shard_model(self.lightning_module, self.config, self.comm, plugin.policy(self.config.reduce_dtype))
         self.comm = self.sharded.comm  # a module sharded by an earlier Trainer keeps its comm and ledger
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        self.precision_plugin.comm = self.comm
+        plugin.sharded = self.sharded
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -251,10 +256,12 @@ class ShardLabStrategy(ParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self.sharded is not None and self.config.accumulation is Accumulation.DEFER:
-            with self.sharded.no_sync():
-                yield
-        else:
+        """Lightning's signal that no optimizer step follows this backward (a micro-batch of accumulation)."""
+        if self.sharded is None:
+            yield
+            return
+        defer = self.config.accumulation is Accumulation.DEFER
+        with self.sharded.no_sync() if defer else self.sharded.accumulating():
             yield
 
     def grad_norm(self, norm_type: float | str = 2.0, optimizer: Optimizer | None = None) -> Tensor:

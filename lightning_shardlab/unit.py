@@ -13,7 +13,7 @@ from enum import Enum
 import torch
 from torch import Tensor, nn
 
-from lightning_shardlab import collectives
+from lightning_shardlab import collectives, gradients
 from lightning_shardlab.collectives import Comm, Pending
 from lightning_shardlab.flat_param import FlatParam
 
@@ -121,10 +121,10 @@ class Unit:
     def reduce_grads(self, async_op: bool = True) -> None:
         """1. lay the unsharded grads out as the flat grad  2. launch its reduce-scatter  3. drop the grads."""
         for fp in self.grad_flat_params:
-            flat_grad = _flat_grad(fp)  # 1-D, padded_numel
-            new_shard = torch.empty(fp.layout.shard_numel, dtype=flat_grad.dtype, device=flat_grad.device)  # 1-D, S
-            pending = collectives.reduce_scatter(new_shard, flat_grad, self.comm, label=fp.layout.name, async_op=True)
-            self._pending.append((fp, flat_grad, new_shard, pending))
+            flat = gradients.flat_grad(fp)  # 1-D, padded_numel, reduce dtype
+            new_shard = torch.empty(fp.layout.shard_numel, dtype=flat.dtype, device=flat.device)  # 1-D, S
+            pending = collectives.reduce_scatter(new_shard, flat, self.comm, label=fp.layout.name, async_op=True)
+            self._pending.append((fp, flat, new_shard, pending))
             for param in fp.unsharded_params:
                 param.grad = None
         self.reduced = True
@@ -133,21 +133,18 @@ class Unit:
 
     def wait_reductions(self) -> None:
         """Wait for launched reduce-scatters and add their results into the grad shards."""
-        for fp, _flat_grad_alive, new_shard, pending in self._pending:
+        for fp, _flat_alive_until_done, new_shard, pending in self._pending:
             pending.wait()
-            _accumulate_grad_shard(fp, new_shard)
+            gradients.accumulate(fp, new_shard)
         self._pending.clear()
 
-    def attach_grads(self, used_per_fp: list[Tensor]) -> None:
-        """Point each used parameter's master view ``.grad`` at its slice of the grad shard."""
+    def show_grads(self, used_per_fp: list[Tensor]) -> None:
+        """Let the optimizer see the reduced gradients of the parameters that count as used."""
         for fp, used in zip(self.grad_flat_params, used_per_fp):
-            assert fp.grad_shard is not None, f"[rank {self.comm.rank}] {fp.layout.name} has no grad shard"
-            for i, (slot, master) in enumerate(zip(fp.layout.slots, fp.master_params)):
-                if not used[i] or not master.requires_grad:  # frozen by the user, e.g. toggle_optimizer()
-                    continue
-                lo, hi = fp.layout.slot_in_shard(slot, fp.rank)
-                if master.grad is None or master.grad.data_ptr() != fp.grad_shard[lo:hi].data_ptr():
-                    master.grad = fp.grad_shard[lo:hi]
+            gradients.show(fp, used)
+        self.end_reduction()
+
+    def end_reduction(self) -> None:
         self.grads_pending = False
         self.reduced = False
         for used in self.used:
@@ -163,31 +160,3 @@ class Unit:
                 fp.shard_from_master()
                 collectives.all_gather(fp.full, fp.shard, self.comm, label=fp.layout.name)
 
-
-def _flat_grad(fp: FlatParam) -> Tensor:
-    """The unsharded params' grads laid out like ``full``; zeros where a parameter got none, and padding."""
-    parts = []
-    for slot, param in zip(fp.layout.slots, fp.unsharded_params):
-        grad = param.grad
-        parts.append(grad.reshape(-1) if grad is not None else fp.full.new_zeros(slot.numel))
-    if fp.layout.padding:
-        parts.append(fp.full.new_zeros(fp.layout.padding))
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
-def _accumulate_grad_shard(fp: FlatParam, new_shard: Tensor) -> None:
-    """grad shard += new reduced shard, except where the user cleared a master view's grad (zero_grad)."""
-    new_shard = new_shard.to(fp.master.dtype)
-    for slot, master in zip(fp.layout.slots, fp.master_params):
-        if not master.requires_grad:  # frozen since sharding (toggle_optimizer): its gradient is not wanted
-            lo, hi = fp.layout.slot_in_shard(slot, fp.rank)
-            new_shard[lo:hi].zero_()
-    live = [m for m in fp.master_params if m.numel() > 0]
-    if fp.grad_shard is None or all(m.grad is None for m in live):
-        fp.grad_shard = new_shard
-        return
-    for slot, master in zip(fp.layout.slots, fp.master_params):
-        if master.numel() > 0 and master.grad is None:
-            lo, hi = fp.layout.slot_in_shard(slot, fp.rank)
-            fp.grad_shard[lo:hi].zero_()
-    fp.grad_shard.add_(new_shard)

@@ -44,8 +44,8 @@ def test_shard_k_is_kth_slice_and_padding_zero(world_size: int) -> None:
     values = [torch.randn(s) for _, s in SHAPES]
     expected_full = torch.cat([v.reshape(-1) for v in values] + [torch.zeros(lay.padding)])
     for rank in range(world_size):
-        fp = FlatParam(lay, rank, torch.device("cpu"), torch.float32, resident_full=False)
-        fp.load_full(values)
+        fp = FlatParam(lay, rank, torch.device("cpu"), resident_full=False)
+        fp.load(fp.flatten(values))
         start, end = lay.shard_range(rank)
         assert torch.equal(fp.shard, expected_full[start:end])
         assert fp.master is fp.shard  # fp32: the master is the shard itself
@@ -53,16 +53,15 @@ def test_shard_k_is_kth_slice_and_padding_zero(world_size: int) -> None:
             lo, hi = lay.slot_in_shard(slot, rank)
             assert torch.equal(master, expected_full[start + lo : start + hi])
             assert master.untyped_storage().data_ptr() == fp.shard.untyped_storage().data_ptr()
-        assert torch.equal(fp.full[lay.numel :], torch.zeros(lay.padding))
+        assert torch.equal(fp.flatten(values)[lay.numel :], torch.zeros(lay.padding))
 
 
 def test_unsharded_params_alias_full_buffer_through_free_and_alloc() -> None:
     lay = layout(2)
-    fp = FlatParam(lay, 0, torch.device("cpu"), torch.float32, resident_full=False)
-    fp.load_full([torch.full(s, float(i)) for i, (_, s) in enumerate(SHAPES)])
+    fp = FlatParam(lay, 0, torch.device("cpu"), resident_full=False)
     weight = fp.unsharded_params[0]
     version = weight._version
-    assert weight.shape == (7, 15) and torch.equal(weight, torch.zeros(7, 15))
+    assert weight.shape == (7, 15)
     free_storage(fp.full)
     assert fp.full.untyped_storage().size() == 0
     alloc_storage(fp.full)
@@ -73,13 +72,28 @@ def test_unsharded_params_alias_full_buffer_through_free_and_alloc() -> None:
 
 
 def test_placeholders_are_meta_with_original_shapes() -> None:
-    fp = FlatParam(layout(3), 1, torch.device("cpu"), torch.float32, resident_full=False)
+    fp = FlatParam(layout(3), 1, torch.device("cpu"), resident_full=False)
     assert [tuple(p.shape) for p in fp.placeholders] == [s for _, s in SHAPES]
     assert all(p.is_meta for p in fp.placeholders)
 
 
 def test_resident_full_shard_is_a_view() -> None:
-    fp = FlatParam(layout(2), 1, torch.device("cpu"), torch.float32, resident_full=True)
+    fp = FlatParam(layout(2), 1, torch.device("cpu"), resident_full=True)
     start, _ = fp.layout.shard_range(1)
     assert fp.shard.data_ptr() == fp.full[start:].data_ptr()
     assert not fp.gathers
+
+
+def test_mixed_precision_tensors_have_their_dtypes() -> None:
+    lay = layout(3)
+    values = [torch.randn(s) for _, s in SHAPES]
+    fp = FlatParam(lay, 1, torch.device("cpu"), resident_full=False, compute_dtype=torch.bfloat16)
+    fp.load(fp.flatten(values))
+    start, end = lay.shard_range(1)
+    exact = fp.flatten(values)[start:end]
+    assert fp.master.dtype == torch.float32 and torch.equal(fp.master, exact)  # the master keeps every bit
+    assert fp.shard.dtype == torch.bfloat16 and torch.equal(fp.shard, exact.bfloat16())
+    assert fp.full.dtype == fp.grad_dtype == torch.bfloat16
+    assert fp.reduce_dtype == torch.float32  # reduced in fp32 unless asked otherwise
+    assert all(p.dtype == torch.float32 for p in fp.placeholders)  # the module's logical parameters
+    assert all(p.dtype == torch.bfloat16 for p in fp.unsharded_params)

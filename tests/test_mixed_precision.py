@@ -1,0 +1,165 @@
+"""Mixed precision against a reference that applies the same recipe, unsharded.
+
+The recipe ("bf16-mixed"): each rank computes with bf16 copies of the fp32 master weights under
+autocast; gradients are reduced in fp32 (the mean over ranks), kept as bf16 between steps, and the
+fp32 master is updated by AdamW in fp32. The reference does exactly that in one process, one rank's
+local batch at a time, on the unsharded model. bf16 tolerance (TESTING.md).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from lightning_shardlab import ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
+from lightning_shardlab.config import PrecisionPolicy
+from lightning_shardlab.precision import ShardLabPrecision
+from tests.launch import run_ranks
+from tests.models import OddNet, OrderedData, TinyGPT, regression_batches, token_dataset
+from tests.reference import init_from_env, mean_over_ranks, reference_shard, shutdown
+
+BF16 = {"rtol": 1.6e-2, "atol": 1e-5}
+
+
+class SameRecipe:
+    """The unsharded reference: fp32 master, bf16 compute copy, per-rank grads averaged in fp32, kept in bf16."""
+
+    def __init__(self, master: torch.nn.Module, lr: float = 1e-2) -> None:
+        self.master = master
+        self.optimizer = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=0.1)
+
+    def step(self, local_batches: list[tuple], loss_fn) -> torch.Tensor:  # noqa: ANN001
+        compute = copy.deepcopy(self.master).to(torch.bfloat16)
+        grads = [torch.zeros_like(p) for p in self.master.parameters()]
+        losses = []
+        for batch in local_batches:
+            compute.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(compute, batch)
+            loss.backward()
+            losses.append(loss.detach().float())
+            for g, p in zip(grads, compute.parameters()):
+                g += p.grad.float()
+        for g, p in zip(grads, self.master.parameters()):
+            p.grad = (g / len(local_batches)).bfloat16().float()  # reduced in fp32, kept as bf16
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return torch.stack(losses).mean()
+
+
+def _mse(model, batch):  # noqa: ANN001, ANN202
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def core_bf16_mixed(stage: int, steps: int = 8, local_batch: int = 3) -> dict:
+    comm = init_from_env()
+    torch.manual_seed(0)
+    master = OddNet()
+    model = copy.deepcopy(master)
+    sharded = shard_model(model, ShardLabConfig(stage=stage), comm, PrecisionPolicy(compute_dtype=torch.bfloat16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    shard_optimizer(optimizer, sharded)
+    reference = SameRecipe(master)
+    n = comm.world_size
+    for step, (x, y) in enumerate(regression_batches(steps, local_batch * n)):
+        batches = [(x[r * local_batch : (r + 1) * local_batch], y[r * local_batch : (r + 1) * local_batch])
+                   for r in range(n)]
+        optimizer.zero_grad()
+        with sharded.step(keep_root_gathered=True), torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _mse(model, batches[comm.rank])
+        sharded.prepare_backward(loss)
+        loss.backward()
+        optimizer.step()
+        ref_loss = reference.step(batches, _mse)
+        assert_close(mean_over_ranks(loss.float(), comm), ref_loss, **BF16, msg=lambda m: f"loss, step {step}\n{m}")
+        for fp in sharded.flat_params:
+            assert fp.full.dtype == torch.bfloat16 and fp.master.dtype == torch.float32
+            assert fp.grad_shard is not None and fp.grad_shard.dtype == torch.bfloat16
+            assert fp.master_grad is None  # the fp32 copy lives only until the optimizer's step
+            assert_close(fp.master, reference_shard(fp, reference.master), **BF16,
+                         msg=lambda m, name=fp.layout.name: f"master {name}, step {step}\n{m}")
+    shutdown()
+    return {}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_mixed_matches_the_same_recipe_unsharded(stage: int) -> None:
+    run_ranks("tests.test_mixed_precision:core_bf16_mixed", 2, {"stage": stage}, timeout=120)
+
+
+def trainer_bf16_mixed(world_size: int, steps: int = 6) -> dict:
+    """Through the Trainer: precision="bf16-mixed" with the shardlab strategy, on a tiny GPT."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    master = copy.deepcopy(model)
+    data = token_dataset(steps * 2 * world_size)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardLabStrategy(), precision="bf16-mixed",
+                        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False)
+    trainer.fit(model, OrderedData(data, 2))
+    assert trainer.precision == "bf16-mixed"
+    state = trainer.strategy.full_state_dict()
+    if trainer.global_rank != 0:
+        return {}
+    reference = SameRecipe(master, lr=master.hparams.lr)
+    reference.optimizer = master.configure_optimizers()
+    tokens, targets = data.tensors
+    for step in range(steps):
+        batches = []
+        for r in range(world_size):
+            idx = torch.arange(step * 2 * world_size + r, (step + 1) * 2 * world_size, world_size)
+            batches.append((tokens[idx], targets[idx]))
+        reference.step(batches, lambda m, b: m.loss(b))
+    for key, value in master.state_dict().items():
+        assert state[key].dtype == torch.float32, key  # the full state dict holds the fp32 masters
+        assert_close(state[key], value, **BF16, msg=lambda m, k=key: f"{k}\n{m}")
+    return {}
+
+
+def test_bf16_mixed_through_the_trainer() -> None:
+    run_ranks("tests.test_mixed_precision:trainer_bf16_mixed", 2, {"world_size": 2}, timeout=180)
+
+
+def fp16_overflow_skips_on_every_rank() -> dict:
+    """16-mixed: one rank overflows; every rank skips that step and halves its loss scale."""
+    comm_rank = int(__import__("os").environ["RANK"])
+
+    class Spiky(TinyGPT):
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            loss = super().training_step(batch, batch_idx)
+            if batch_idx == 1 and comm_rank == 1:
+                loss = loss * float("inf")  # an overflow on rank 1 only
+            return loss
+
+    torch.manual_seed(0)
+    model = Spiky()
+    plugin = ShardLabPrecision("16-mixed")
+    plugin.loss_scale.scale = 2.0**10  # low enough that only the injected overflow overflows
+    snapshots = []
+
+    class Snapshot(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:  # noqa: ANN001, ANN002
+            snapshots.append({k: v.clone() for k, v in trainer.strategy.full_state_dict().items()})
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ShardLabStrategy(), plugins=[plugin], max_steps=3,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, callbacks=[Snapshot()])
+    trainer.fit(model, OrderedData(token_dataset(12), 2))
+    fp = trainer.strategy.sharded.flat_params[0]
+    return {"scale": plugin.loss_scale.scale, "snapshots": snapshots if comm_rank == 0 else [],
+            "compute_dtype": str(fp.full.dtype)}
+
+
+def test_fp16_loss_scale_overflow_on_one_rank_skips_the_step_everywhere() -> None:
+    reports = run_ranks("tests.test_mixed_precision:fp16_overflow_skips_on_every_rank", 2, timeout=120)
+    assert [r["scale"] for r in reports] == [2.0**9, 2.0**9]  # halved once, on both ranks
+    assert reports[0]["compute_dtype"] == "torch.float16"
+    first, skipped, third = reports[0]["snapshots"]
+    assert all(torch.equal(first[k], skipped[k]) for k in first)  # step 2 changed nothing
+    assert not all(torch.equal(skipped[k], third[k]) for k in first)  # step 3 trained again
