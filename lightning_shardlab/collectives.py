@@ -128,8 +128,12 @@ def _staged(tensor: Tensor, comm: Comm) -> Tensor:
     return tensor.cpu() if comm.stages_through_cpu else tensor
 
 
-def all_gather(full: Tensor, shard: Tensor, comm: Comm, label: str = "", async_op: bool = False) -> Pending:
-    """shards -> whole: ``full`` (1-D, world_size * S) receives every rank's ``shard`` (1-D, S) in rank order."""
+def all_gather(
+    full: Tensor, shard: Tensor, comm: Comm, label: str = "", async_op: bool = False, kind: str = "all_gather"
+) -> Pending:
+    """shards -> whole: ``full`` (1-D, world_size * S) receives every rank's ``shard`` (1-D, S) in rank order.
+
+    ``kind`` names what the ledger files it under (bookkeeping traffic is kept apart from parameters')."""
     if comm.world_size == 1:
         if full.data_ptr() != shard.data_ptr():
             full.copy_(shard)
@@ -137,7 +141,7 @@ def all_gather(full: Tensor, shard: Tensor, comm: Comm, label: str = "", async_o
     out, inp = _staged(full, comm), _staged(shard, comm)
     finish = (lambda: full.copy_(out)) if out is not full else None
     return _run(
-        comm, "all_gather", label, full, lambda: dist.all_gather_single(out, inp, group=comm.group, async_op=True),
+        comm, kind, label, full, lambda: dist.all_gather_single(out, inp, group=comm.group, async_op=True),
         finish, async_op,
     )
 

@@ -184,6 +184,8 @@ class FlatParam:
         n, s = layout.padded_numel, layout.shard_numel
         start, end = layout.shard_range(rank)
         self.full: Tensor = torch.zeros(n, dtype=self.compute_dtype, device=device)  # 1-D, padded_numel
+        if self.gathers:
+            free_storage(self.full)  # stage 3: allocated only while gathered
         if resident_full or layout.world_size == 1:
             # World size 1: the shard is the whole buffer, so gathering needs no copy at all.
             self.shard: Tensor = self.full[start:end]  # 1-D, S

@@ -39,6 +39,16 @@ class Ledger:
     by_kind: dict[str, CollectiveTotals] = field(default_factory=lambda: defaultdict(CollectiveTotals))
     by_label: dict[tuple[str, str], CollectiveTotals] = field(default_factory=lambda: defaultdict(CollectiveTotals))
 
+    gathered_bytes: int = 0  # full buffers allocated right now by stage-3 unsharding
+    gathered_peak: int = 0  # the most at once since the last reset_peak()
+
+    def track_gathered(self, delta: int) -> None:
+        self.gathered_bytes += delta
+        self.gathered_peak = max(self.gathered_peak, self.gathered_bytes)
+
+    def reset_peak(self) -> None:
+        self.gathered_peak = self.gathered_bytes
+
     def record_collective(self, kind: str, label: str, nbytes: int, seconds: float) -> None:
         self.by_kind[kind].add(nbytes, seconds)
         self.by_label[(kind, label)].add(nbytes, seconds)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from lightning_shardlab.config import ShardLabConfig
+from lightning_shardlab.flat_param import FlatParamLayout
 
 
 @dataclass
@@ -75,3 +77,29 @@ def owning_unit(use: ParamUse, unit_paths: list[str]) -> str:
     """The deepest unit that contains every module using the parameter (their lowest common unit)."""
     candidates = [u for u in unit_paths if all(_is_within(m, u) for m in use.module_paths)]
     return max(candidates, key=lambda u: (u.count(".") + 1) if u else 0)
+
+
+def group_flat_params(unit: str, uses: list[ParamUse], world_size: int) -> list[tuple[FlatParamLayout, list[ParamUse]]]:
+    """One flat parameter per (dtype, requires_grad) group of a unit's parameters, in first-appearance order."""
+    groups: dict[tuple[torch.dtype, bool], list[ParamUse]] = {}
+    for use in uses:
+        groups.setdefault((use.param.dtype, use.param.requires_grad), []).append(use)
+    return [
+        (FlatParamLayout.build(unit or "root", dtype, rg, [(tuple(u.fqns), u.param.shape) for u in group], world_size),
+         group)
+        for (dtype, rg), group in groups.items()
+    ]
+
+
+def plan_layouts(root: nn.Module, config: ShardLabConfig, world_size: int) -> dict[str, list[FlatParamLayout]]:
+    """The flat-parameter layout of every unit at ``world_size``: pure, so it works on a meta-device model
+    and for a world that does not exist (``shardlab plan``)."""
+    uses = param_uses(root)
+    unit_paths = choose_unit_paths(root, config)
+    owners = {id(use.param): owning_unit(use, unit_paths) for use in uses}
+    out = {}
+    for path in unit_paths:
+        layouts = [lay for lay, _ in group_flat_params(path, [u for u in uses if owners[id(u.param)] == path], world_size)]
+        if layouts or not path:
+            out[path or "root"] = layouts
+    return out

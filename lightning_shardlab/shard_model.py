@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from lightning_shardlab import collectives, gradients, hooks
 from lightning_shardlab.collectives import Comm
 from lightning_shardlab.config import PrecisionPolicy, ShardLabConfig, Stage
-from lightning_shardlab.flat_param import FlatParam, FlatParamLayout
-from lightning_shardlab.policy import ParamUse, choose_unit_paths, owning_unit, param_uses
+from lightning_shardlab.flat_param import FlatParam
+from lightning_shardlab.policy import ParamUse, choose_unit_paths, group_flat_params, owning_unit, param_uses
 from lightning_shardlab.unit import Registration, Unit
 
 _SHARDED: weakref.WeakKeyDictionary[nn.Module, ShardedModel] = weakref.WeakKeyDictionary()
@@ -234,7 +234,6 @@ def shard_model(
     _broadcast_buffers(module, comm, label="setup buffers")
     sharded = ShardedModel(module, units, config, comm, policy)
     for unit in units:
-        unit.reshard()
         hooks.install(sharded, unit)
     module.register_state_dict_post_hook(_refuse_placeholders)
     _SHARDED[module] = sharded
@@ -254,25 +253,17 @@ def _build_unit(
     root: nn.Module, path: str, uses: list[ParamUse], config: ShardLabConfig, comm: Comm, policy: PrecisionPolicy
 ) -> Unit:
     """One flat param per (dtype, requires_grad) group, in first-appearance order; values from rank 0."""
-    groups: dict[tuple[torch.dtype, bool], list[ParamUse]] = {}
-    for use in uses:
-        groups.setdefault((use.param.dtype, use.param.requires_grad), []).append(use)
     flat_params, registrations = [], []
-    for (dtype, requires_grad), group in groups.items():
-        layout = FlatParamLayout.build(
-            path or "root", dtype, requires_grad, [(tuple(u.fqns), u.param.shape) for u in group], comm.world_size
-        )
+    for layout, group in group_flat_params(path, uses, comm.world_size):
         fp = FlatParam(layout, comm.rank, comm.device, resident_full=config.stage is not Stage.PARAMETERS,
-                       compute_dtype=policy.compute_for(dtype), reduce_dtype=policy.reduce_dtype)
+                       compute_dtype=policy.compute_for(layout.dtype), reduce_dtype=policy.reduce_dtype)
         flat = fp.flatten([u.param for u in group])  # 1-D, padded_numel: rank 0's values win
         collectives.broadcast(flat, comm, src=0, label=f"setup {layout.name}")
         fp.load(flat)
         flat_params.append(fp)
         registrations.append([[_place(root, fqn) for fqn in u.fqns] for u in group])
-    unit = Unit(path, root.get_submodule(path), flat_params, registrations, comm,
+    return Unit(path, root.get_submodule(path), flat_params, registrations, comm,
                 reshard_at_rest=config.stage is Stage.PARAMETERS)
-    unit._register([fp.unsharded_params for fp in flat_params])
-    return unit
 
 
 def _place(root: nn.Module, fqn: str) -> Registration:

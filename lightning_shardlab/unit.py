@@ -44,7 +44,8 @@ class Unit:
         self.comm = comm
         # Stage 3 shards parameters at rest; stages 1-2 keep every unit UNSHARDED for good.
         self.reshard_at_rest = reshard_at_rest
-        self.state = UnitState.UNSHARDED
+        self.state = UnitState.SHARDED if reshard_at_rest else UnitState.UNSHARDED
+        self._register([fp.placeholders if reshard_at_rest else fp.unsharded_params for fp in flat_params])
         self.in_backward = False  # between this unit's pre-backward and post-backward
         self.grads_pending = False  # gradients produced since the last reduction
         self.reduced = False  # reduced in the current backward already
@@ -72,6 +73,7 @@ class Unit:
         for fp in self.flat_params:
             if fp.gathers:
                 fp.alloc_full()
+                self.comm.ledger.track_gathered(fp.full.untyped_storage().nbytes())
                 collectives.all_gather(fp.full, fp.shard, self.comm, label=fp.layout.name)
         self._register([fp.unsharded_params for fp in self.flat_params])
         self.state = UnitState.UNSHARDED
@@ -83,6 +85,8 @@ class Unit:
         self._expect(UnitState.UNSHARDED, "reshard")
         self._register([fp.placeholders for fp in self.flat_params])
         for fp in self.flat_params:
+            if fp.gathers:
+                self.comm.ledger.track_gathered(-fp.full.untyped_storage().nbytes())
             fp.free_full()
         self.state = UnitState.SHARDED
 
