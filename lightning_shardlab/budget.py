@@ -176,10 +176,3 @@ DEVICES = {  # dense peak FLOP/s in the compute dtype
     "h100": 989e12, "a100": 312e12, "h200": 989e12, "l4": 121e12, "cpu-core": 5e10,
 }
 
-
-def __getattr__(name: str):  # noqa: ANN202  TEMPORARY: the example imports the callback from here until it moves
-    if name == "ShardLabBudget":
-        from lightning_shardlab.budget_report import ShardLabBudget
-
-        return ShardLabBudget
-    raise AttributeError(name)

@@ -13,10 +13,15 @@ or, with options,
         class_path: lightning_shardlab.ShardLabStrategy
         init_args: {stage: 2}
 
-See ``configs/gpt_*.yaml`` for complete examples.
+See ``configs/gpt_*.yaml`` for complete examples. The other subcommands are tools:
+
+    shardlab plan --params 70e9 --world-size 64 --stage 3      # the budget before the hardware
 """
 
 from __future__ import annotations
+
+import importlib
+import sys
 
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
@@ -24,8 +29,15 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_shardlab  # noqa: F401  (registers "shardlab", "shardlab_stage_1", ... with Lightning)
 
 
+TOOLS = {"plan": "lightning_shardlab.plan"}  # subcommand -> module whose main(argv) runs it
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run LightningCLI on ``argv`` (default: the command line)."""
+    """A tool subcommand, or LightningCLI on ``argv`` (default: the command line)."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words and words[0] in TOOLS:
+        importlib.import_module(TOOLS[words[0]]).main(words[1:])
+        return
     LightningCLI(
         L.LightningModule,
         L.LightningDataModule,

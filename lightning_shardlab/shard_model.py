@@ -7,6 +7,7 @@ handle that holds the units and decides, on each hook event, when to gather, red
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -18,10 +19,12 @@ from torch import Tensor, nn
 from lightning_shardlab import collectives, gradients, hooks
 from lightning_shardlab.collectives import Comm
 from lightning_shardlab.config import PrecisionPolicy, ShardLabConfig, Stage
-from lightning_shardlab.flat_param import FlatParam
+from lightning_shardlab.flat_param import FlatParam, FlatParamLayout
+from lightning_shardlab.materialize import has_meta, materialize
 from lightning_shardlab.policy import ParamUse, choose_unit_paths, group_flat_params, owning_unit, param_uses
 from lightning_shardlab.unit import Registration, Unit
 
+MAX_REDUCTIONS_IN_FLIGHT = 1  # more overlap more, but each holds its unit's whole flat gradient alive
 _SHARDED: weakref.WeakKeyDictionary[nn.Module, ShardedModel] = weakref.WeakKeyDictionary()
 
 
@@ -40,6 +43,7 @@ class ShardedModel:
         self._root_held = False  # the strategy keeps the root gathered for a whole step
         self._end_of_backward = hooks.EndOfBackward(self._finish_backward)
         self._warned_unused: set[str] = set()
+        self._in_flight: list[Unit] = []  # units whose reduce-scatters are launched, oldest first
 
     @property
     def root(self) -> Unit:
@@ -82,9 +86,17 @@ class ShardedModel:
             if unit.grad_flat_params:
                 unit.collect_usage()
                 if self._sync and self.config.stage >= Stage.GRADIENTS:
-                    unit.reduce_grads(async_op=True)
+                    self._reduce(unit)
             if not (unit.is_root and self._root_held):
                 unit.reshard()
+
+    def _reduce(self, unit: Unit) -> None:
+        """Launch ``unit``'s reduce-scatters; to bound memory, first wait for all but the newest in flight:
+        each keeps a flat gradient alive (backward goes on computing while the newest reduces)."""
+        while len(self._in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:
+            self._in_flight.pop(0).wait_reductions()
+        unit.reduce_grads(async_op=True)
+        self._in_flight.append(unit)
 
     def _finish_backward(self) -> None:
         """End of backward: 1. finish units with no post-backward  2. reduce the rest  3. wait, attach grads."""
@@ -95,9 +107,9 @@ class ShardedModel:
             pending = [unit for unit in self.units if unit.grads_pending]
             for unit in reversed(pending):
                 if not unit.reduced:
-                    unit.reduce_grads(async_op=True)
-            for unit in pending:
-                unit.wait_reductions()
+                    self._reduce(unit)
+            while self._in_flight:
+                self._in_flight.pop(0).wait_reductions()
             if self._show:
                 for unit, used in zip(pending, self._agree_on_usage(pending)):
                     unit.show_grads(used)
@@ -221,16 +233,26 @@ def shard_model(
             f"{type(module).__name__} is already sharded (stage {int(existing.config.stage)}, world size"
             f" {existing.comm.world_size}). HINT: create a fresh module, or reuse the same strategy options."
         )
-    _refuse_meta(module)
     uses = param_uses(module)
     unit_paths = choose_unit_paths(module, config)
     owners = {id(use.param): owning_unit(use, unit_paths) for use in uses}
     _check_same_layout(module, uses, owners, comm)
-    units = []
-    for path in unit_paths:
-        unit = _build_unit(module, path, [u for u in uses if owners[id(u.param)] == path], config, comm, policy)
-        if unit.flat_params or unit.is_root:
-            units.append(unit)
+    groups = {path: group_flat_params(path, [u for u in uses if owners[id(u.param)] == path], comm.world_size)
+              for path in unit_paths}
+    flat = {path: [_new_flat_param(layout, config, comm, policy) for layout, _ in g] for path, g in groups.items()}
+    pairs = [(fp, group) for path in unit_paths for fp, (_, group) in zip(flat[path], groups[path])]
+    load = functools.partial(_load_from_rank_0, comm=comm)
+    if has_meta(module):
+        materialize(module, pairs, comm.device, load)
+    else:
+        for fp, group in pairs:
+            load(fp, [u.param for u in group])
+    units = [
+        Unit(path, module.get_submodule(path), flat[path],
+             [[[_place(module, fqn) for fqn in u.fqns] for u in group] for _, group in groups[path]], comm,
+             reshard_at_rest=config.stage is Stage.PARAMETERS)
+        for path in unit_paths if flat[path] or not path
+    ]
     _broadcast_buffers(module, comm, label="setup buffers")
     sharded = ShardedModel(module, units, config, comm, policy)
     for unit in units:
@@ -240,30 +262,16 @@ def shard_model(
     return sharded
 
 
-def _refuse_meta(module: nn.Module) -> None:
-    for name, param in module.named_parameters():
-        if param.is_meta:
-            raise ValueError(
-                f"parameter {name!r} is on the meta device. HINT: materialise the model before sharding"
-                " (initialise it in __init__ or configure_model without empty_init)."
-            )
+def _new_flat_param(layout: FlatParamLayout, config: ShardLabConfig, comm: Comm, policy: PrecisionPolicy) -> FlatParam:
+    return FlatParam(layout, comm.rank, comm.device, resident_full=config.stage is not Stage.PARAMETERS,
+                     compute_dtype=policy.compute_for(layout.dtype), reduce_dtype=policy.reduce_dtype)
 
 
-def _build_unit(
-    root: nn.Module, path: str, uses: list[ParamUse], config: ShardLabConfig, comm: Comm, policy: PrecisionPolicy
-) -> Unit:
-    """One flat param per (dtype, requires_grad) group, in first-appearance order; values from rank 0."""
-    flat_params, registrations = [], []
-    for layout, group in group_flat_params(path, uses, comm.world_size):
-        fp = FlatParam(layout, comm.rank, comm.device, resident_full=config.stage is not Stage.PARAMETERS,
-                       compute_dtype=policy.compute_for(layout.dtype), reduce_dtype=policy.reduce_dtype)
-        flat = fp.flatten([u.param for u in group])  # 1-D, padded_numel: rank 0's values win
-        collectives.broadcast(flat, comm, src=0, label=f"setup {layout.name}")
-        fp.load(flat)
-        flat_params.append(fp)
-        registrations.append([[_place(root, fqn) for fqn in u.fqns] for u in group])
-    return Unit(path, root.get_submodule(path), flat_params, registrations, comm,
-                reshard_at_rest=config.stage is Stage.PARAMETERS)
+def _load_from_rank_0(fp: FlatParam, values: list[Tensor], comm: Comm) -> None:
+    """Every rank takes rank 0's values: lay them out, broadcast, keep this rank's shard."""
+    flat = fp.flatten(values)  # 1-D, padded_numel
+    collectives.broadcast(flat, comm, src=0, label=f"setup {fp.layout.name}")
+    fp.load(flat)
 
 
 def _place(root: nn.Module, fqn: str) -> Registration:

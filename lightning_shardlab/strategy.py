@@ -32,6 +32,7 @@ from lightning_shardlab import checkpoint as ckpt
 from lightning_shardlab import collectives
 from lightning_shardlab.collectives import Comm
 from lightning_shardlab.config import Accumulation, ShardLabConfig
+from lightning_shardlab.materialize import has_meta
 from lightning_shardlab.optimizer import global_grad_norm, shard_optimizer
 from lightning_shardlab.precision import ShardLabPrecision, shardlab_precision
 from lightning_shardlab.shard_model import ShardedModel, shard_model
@@ -216,8 +217,24 @@ class ShardLabStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if self.sharded is None:  # once sharded, the flat parameters already live on the device
+        # once sharded, the flat parameters already live on the device; meta parameters are built there
+        if self.sharded is None and not has_meta(self.model):
             self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)``: parameters on the meta device, built unit by unit at setup."""
+        with torch.device("meta") if empty_init else self.root_device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` creates parameters on the meta device: no rank ever holds the whole model;
+        setup initialises each module with its ``reset_parameters()`` and keeps only this rank's shards."""
+        with torch.device("meta"):
+            yield
 
     # ---- steps ----
 
