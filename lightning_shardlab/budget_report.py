@@ -51,7 +51,10 @@ class ShardLabBudget(L.Callback):
         self.optimizer_steps = 0
         self.step_seconds = 0.0
         self._started = 0.0
+        self._comm_before = (0.0, 0.0)
         self._first_step = 0
+        self._val_start: dict = {}
+        self.validation: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])  # not training
 
     # ---- every step ----
 
@@ -61,11 +64,38 @@ class ShardLabBudget(L.Callback):
             sharded.comm.ledger.reset()  # training traffic only, not setup
         self._first_step = trainer.global_step
 
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        sharded = getattr(trainer.strategy, "sharded", None)
+        if sharded is not None:
+            self._val_start = sharded.comm.ledger.snapshot()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Validation inside fit moves parameters too; keep it out of the per-step training figures."""
+        sharded = getattr(trainer.strategy, "sharded", None)
+        if sharded is None:
+            return
+        for key, now in sharded.comm.ledger.snapshot().items():
+            before = self._val_start.get(key, (0, 0, 0.0))
+            for i in range(3):
+                self.validation[key][i] += now[i] - before[i]
+
+    def _training_traffic(self, ledger: Any) -> dict[tuple[str, str], tuple[float, float, float]]:
+        out = {}
+        for key, t in ledger.by_label.items():
+            v = self.validation.get(key, (0, 0, 0.0))
+            out[key] = (t.count - v[0], t.bytes - v[1], t.seconds - v[2])
+        return out
+
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         sharded = getattr(trainer.strategy, "sharded", None)
         if sharded is not None:
             sharded.comm.ledger.reset_peak()
+            self._comm_before = self._comm_totals(sharded.comm.ledger)
         self._started = time.perf_counter()
+
+    @staticmethod
+    def _comm_totals(ledger: Any) -> tuple[float, float]:
+        return sum(t.bytes for t in ledger.by_kind.values()), sum(t.seconds for t in ledger.by_kind.values())
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         sharded = getattr(trainer.strategy, "sharded", None)
@@ -75,9 +105,9 @@ class ShardLabBudget(L.Callback):
         self.step_seconds += seconds
         ledger = sharded.comm.ledger
         memory = measure_memory(sharded.flat_params, trainer.optimizers)
+        nbytes, comm_seconds = self._comm_totals(ledger)
         self.last = {**memory, "gathered_peak": ledger.gathered_peak, "step_seconds": seconds,
-                     "comm_bytes": sum(t.bytes for t in ledger.by_kind.values()),
-                     "comm_seconds": sum(t.seconds for t in ledger.by_kind.values())}
+                     "comm_bytes": nbytes - self._comm_before[0], "comm_seconds": comm_seconds - self._comm_before[1]}
         if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
             self._log(trainer, sharded)
 
@@ -116,11 +146,17 @@ class ShardLabBudget(L.Callback):
         micro = trainer.accumulate_grad_batches
         traffic = predict_traffic(units, sharded.config.stage, sharded.policy, micro,
                                   sharded.config.accumulation is Accumulation.REDUCE, sharded.config.reshard_after_forward)
-        ledger = sharded.comm.ledger
-        comm = {kind: {"calls": t.count / steps, "bytes": t.bytes / steps, "seconds": t.seconds / steps}
-                for kind, t in ledger.by_kind.items()}
-        by_unit = {f"{kind} {label}": {"calls": t.count / steps, "bytes": t.bytes / steps, "seconds": t.seconds / steps}
-                   for (kind, label), t in ledger.by_label.items()}
+        training = self._training_traffic(sharded.comm.ledger)
+        comm: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0.0, "bytes": 0.0, "seconds": 0.0})
+        by_unit = {}
+        for (kind, label), (count, nbytes, seconds) in training.items():
+            if count == 0:
+                continue
+            per_step = {"calls": count / steps, "bytes": nbytes / steps, "seconds": seconds / steps}
+            by_unit[f"{kind} {label}"] = per_step
+            for k, v in per_step.items():
+                comm[kind][k] += v
+        comm = dict(comm)
         return {
             "rank": sharded.comm.rank, "world_size": sharded.comm.world_size, "stage": int(sharded.config.stage),
             "precision": trainer.precision, "optimizer_steps": steps,

@@ -53,6 +53,10 @@ class Ledger:
         self.by_kind[kind].add(nbytes, seconds)
         self.by_label[(kind, label)].add(nbytes, seconds)
 
+    def snapshot(self) -> dict[tuple[str, str], tuple[int, int, float]]:
+        """(count, bytes, seconds) by (kind, label), to subtract a stretch (e.g. validation) later."""
+        return {key: (t.count, t.bytes, t.seconds) for key, t in self.by_label.items()}
+
     def counts(self) -> dict[str, int]:
         return {kind: totals.count for kind, totals in self.by_kind.items()}
 

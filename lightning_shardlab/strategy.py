@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -10,7 +11,8 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.distributed import (_destroy_dist_connection, _distributed_is_initialized,
+                                                     _init_dist_connection)
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -168,8 +170,10 @@ class ShardLabStrategy(ParallelStrategy):
         if backend == "nccl":
             kwargs["device_id"] = self.root_device
         assert self.cluster_environment is not None
-        if self.world_size > 1:  # a world of one needs no process group: nothing is ever communicated
+        if self.world_size > 1 and not _distributed_is_initialized():  # a world of one communicates nothing
             _init_dist_connection(self.cluster_environment, backend, **kwargs)
+            if backend != "nccl":  # Lightning registers this for NCCL; gloo's threads also need an orderly end
+                atexit.register(_destroy_dist_connection)
         self.comm = Comm(rank=self.global_rank, world_size=self.world_size, device=self.root_device)
 
     # ---- precision ----
