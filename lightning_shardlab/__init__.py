@@ -7,6 +7,7 @@ Importing the package registers the strategy names "shardlab" (stage 3), "shardl
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_shardlab.budget_report import ShardLabBudget
+from lightning_shardlab.checkpoint_files import CheckpointError
 from lightning_shardlab.collectives import Comm
 from lightning_shardlab.config import Accumulation, ShardLabConfig, Stage
 from lightning_shardlab.optimizer import shard_optimizer
@@ -17,6 +18,7 @@ ShardLabStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "Accumulation",
+    "CheckpointError",
     "Comm",
     "ShardLabBudget",
     "ShardLabConfig",

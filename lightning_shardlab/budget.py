@@ -82,8 +82,9 @@ def predict_memory(
 
 
 def predict_gathered_peak(units: dict[str, list[FlatParamLayout]], stage: Stage, policy: PrecisionPolicy) -> int:
-    """Stage 3: bytes of gathered full buffers at the busiest moment (the root, held for the step, plus
-    the largest other unit). 0 at stages 1-2, whose full buffers are counted in ``params``."""
+    """Stage 3: bytes of gathered full buffers at the busiest moment: the root (held for the step) plus
+    two neighbouring units — one computing, the next prefetched (forward order taken as the units' order,
+    which is registration order). 0 at stages 1-2, whose full buffers are counted in ``params``."""
     if stage is not Stage.PARAMETERS:
         return 0
 
@@ -92,7 +93,8 @@ def predict_gathered_peak(units: dict[str, list[FlatParamLayout]], stage: Stage,
 
     root = size(units.get("root", []))
     others = [size(lays) for name, lays in units.items() if name != "root"]
-    return root + max(others, default=0)
+    pairs = [a + b for a, b in zip(others, others[1:])] or others
+    return root + max(pairs, default=0)
 
 
 @dataclass(frozen=True)

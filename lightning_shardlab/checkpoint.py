@@ -1,157 +1,212 @@
-"""Full (unsharded) state dicts of the model and of its optimizers, and loading them back into shards.
+"""Checkpoints: what the strategy calls to save, load and remove them. Two formats, one loader.
 
-A full state dict has exactly the keys and shapes of the unsharded module's ``state_dict()``; a full
-optimizer state dict is what the same torch optimizer would hold on the unsharded model (state keyed
-by parameter index, tensors in the parameters' shapes). So a full checkpoint is a plain Lightning
-checkpoint, and loading one works at any world size and any stage: each rank slices out its shard.
+``state_dict_type="sharded"`` (the default) writes a directory in which every rank writes its own
+slices, so no rank ever holds more than its shard ([Note: the sharded checkpoint format] in
+checkpoint_format.py). ``state_dict_type="full"`` writes one plain Lightning checkpoint file: the
+unsharded state dict and optimizer state, gathered one flat parameter at a time and written by rank 0
+(checkpoint_full.py); it loads with ``MyModule.load_from_checkpoint`` without this package.
+
+Loading detects the format (a directory or a file) and works at any world size and any stage: each
+rank takes the elements of its new shard. Both formats are written atomically (complete, or absent:
+checkpoint_files.py), keep non-model state that differs between ranks for every rank
+(checkpoint_rank_state.py), and agree on one verdict before anything is loaded, so a missing, truncated
+or altered file raises the same error on every rank, naming it. ``shardlab consolidate`` turns a sharded
+checkpoint into a full one in one process (checkpoint_consolidate.py); ``shardlab inspect`` describes
+either (checkpoint_inspect.py). The files, one concept each:
+
+    checkpoint.py             this facade: save / load / remove, by format
+    checkpoint_full.py        full state dicts: gather, and slice back into shards
+    checkpoint_format.py      the sharded format on disk: metadata, verification, reads of element ranges
+    checkpoint_sharded.py     the collective sharded save and load
+    checkpoint_rank_state.py  per-rank side state
+    checkpoint_files.py       atomic commit, fsync, sizes and checksums
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from torch.optim import Optimizer
 
-from lightning_shardlab.flat_param import FlatParam
-from lightning_shardlab import collectives
-from lightning_shardlab.shard_model import ShardedModel, placeholders_allowed
+from lightning_shardlab import checkpoint_sharded, collectives
+from lightning_shardlab.checkpoint_files import (CheckpointError, clear_leftovers, commit, delete, fsync_file, new_id,
+                                                 remove_path, tmp_path)
+from lightning_shardlab.checkpoint_format import RANK_STATES_KEY
+from lightning_shardlab.checkpoint_full import (full_optimizer_state, full_state_dict, load_full_optimizer_state,
+                                                load_full_state_dict, replicated_state)
+from lightning_shardlab.checkpoint_rank_state import (Owners, SavedRankStates, differing_paths, get_or_absent,
+                                                      restore, tree_digests)
+from lightning_shardlab.shard_model import ShardedModel
+
+__all__ = [
+    "CheckpointError", "full_optimizer_state", "full_state_dict", "load", "load_full_optimizer_state",
+    "load_full_state_dict", "load_model", "load_optimizers", "module_state", "optimizer_state", "remove", "save",
+]
+
+SOURCE_KEY = "shardlab_checkpoint"  # in a loaded sharded checkpoint dict: its open CheckpointReader
 
 
-def full_state_dict(sharded: ShardedModel) -> dict[str, Any]:
-    """Collective. The unsharded ``module.state_dict()`` as CPU tensors on rank 0; ``{}`` elsewhere."""
-    with placeholders_allowed():
-        keyed = sharded.module.state_dict(keep_vars=True)
-    values: dict[str, Tensor] = {}
-    for fp in sharded.flat_params:
-        full = sharded.gather_full(fp)  # 1-D, padded_numel, master dtype
-        if sharded.comm.rank == 0:
-            for slot in fp.layout.slots:
-                value = full[slot.offset : slot.offset + slot.numel].view(slot.shape).detach().to("cpu", copy=True)
-                for fqn in slot.fqns:
-                    values[fqn] = value
-    if sharded.comm.rank != 0:
-        return {}
-    return {k: values[k] if k in values else _cpu(v) for k, v in keyed.items()}
+def _remote(path: str | Path) -> bool:
+    return "://" in str(path)
 
 
-def _cpu(value: Any) -> Any:
-    return value.detach().to("cpu", copy=True) if isinstance(value, Tensor) else value
+# ---- what Lightning's dump holds ----
 
 
-def load_full_state_dict(sharded: ShardedModel, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-    """Every rank: load an unsharded state dict, keeping only this rank's shard of each parameter."""
-    with placeholders_allowed():
-        expected = sharded.module.state_dict(keep_vars=True)
-    if strict:
-        missing = sorted(set(expected) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(expected))
-        if missing or unexpected:
-            raise KeyError(
-                f"the state dict does not match {type(sharded.module).__name__}: missing {missing[:5]}, unexpected"
-                f" {unexpected[:5]}. HINT: load a checkpoint of the same model, or pass strict=False."
-            )
-    param_keys = set()
-    for fp in sharded.flat_params:
-        names = [next((f for f in slot.fqns if f in state_dict), None) for slot in fp.layout.slots]
-        param_keys.update(f for slot in fp.layout.slots for f in slot.fqns)
-        if None in names:
-            continue  # strict=False and a parameter is absent: keep its current values
-        for slot, name in zip(fp.layout.slots, names):
-            if tuple(state_dict[name].shape) != tuple(slot.shape):
-                raise ValueError(
-                    f"{name!r} has shape {tuple(state_dict[name].shape)} in the state dict but {tuple(slot.shape)}"
-                    " in the model. HINT: load a checkpoint of the same model configuration."
-                )
-        _load_flat_param(fp, [state_dict[n] for n in names])
-    rest = {k: v for k, v in state_dict.items() if k not in param_keys}
-    sharded.module.load_state_dict(rest, strict=False)
+def module_state(sharded: ShardedModel) -> dict[str, Any]:
+    """Collective for "full" (the unsharded state dict on rank 0); for "sharded", this rank's replicated
+    entries (buffers): the parameters are written from the master shards by ``save``."""
+    return full_state_dict(sharded) if sharded.config.state_dict_type == "full" else replicated_state(sharded)
 
 
-def _load_flat_param(fp: FlatParam, values: list[Tensor]) -> None:
-    fp.load(fp.flatten(values))
+def optimizer_state(optimizer: Optimizer, sharded: ShardedModel) -> dict[str, Any]:
+    """Collective for "full" (the unsharded torch format on rank 0); for "sharded", this rank's own state."""
+    if sharded.config.state_dict_type == "full":
+        return full_optimizer_state(optimizer, sharded)
+    return optimizer.state_dict()
 
 
-def _index(optimizer: Optimizer, sharded: ShardedModel) -> list[tuple[Tensor, FlatParam, int]]:
-    """(master view, its flat param, slot index) for each parameter index of ``optimizer.state_dict()``."""
-    where = {}
-    for fp in sharded.flat_params:
-        for i, master in enumerate(fp.master_params):
-            where[id(master)] = (master, fp, i)
-    return [where[id(p)] for group in optimizer.param_groups for p in group["params"]]
+# ---- save ----
 
 
-def _per_element(key: str, value: Any, numel: int) -> bool:
-    # torch's elementwise optimizers keep per-element state in tensors shaped like the parameter and
-    # a scalar "step"; a 0-dim parameter's moments are told from its step by the key.
-    return isinstance(value, Tensor) and key != "step" and value.numel() == numel
-
-
-def full_optimizer_state(optimizer: Optimizer, sharded: ShardedModel) -> dict[str, Any]:
-    """Collective. ``optimizer.state_dict()`` as the unsharded optimizer would have it, on rank 0; ``{}`` elsewhere."""
-    local = optimizer.state_dict()
-    index = _index(optimizer, sharded)
-    layout = [
-        (i, key, _per_element(key, v, index[i][0].numel()))
-        for i, state in local["state"].items()
-        for key, v in state.items()
-    ]
-    scalars = {(i, k): v for i, s in local["state"].items() for k, v in s.items() if not _per_element(k, v, index[i][0].numel())}
-    everyone = collectives.all_gather_object((sorted(layout, key=str), scalars), sharded.comm, label="optimizer state")
-    union = sorted({entry for keys, _ in everyone for entry in keys}, key=str)
-    full_state: dict[int, dict[str, Any]] = {}
-    for i, key, elementwise in union:
-        _, fp, slot_i = index[i]
-        if not elementwise:
-            value = next(s[(i, key)] for _, s in everyone if (i, key) in s)
-            full_state.setdefault(i, {})[key] = value
-    per_fp: dict[int, list[tuple[int, str]]] = {}
-    for i, key, elementwise in union:
-        if elementwise:
-            per_fp.setdefault(id(index[i][1]), []).append((i, key))
-    fps = {id(fp): fp for _, fp, _ in index}
-    for fp_id, entries in per_fp.items():
-        fp = fps[fp_id]
-        for key in sorted({k for _, k in entries}):
-            shard = torch.zeros(fp.layout.shard_numel, dtype=fp.master.dtype, device=fp.master.device)
-            members = [i for i, k in entries if k == key]
-            for i in members:
-                slot = fp.layout.slots[index[i][2]]
-                lo, hi = fp.layout.slot_in_shard(slot, fp.rank)
-                if i in local["state"] and key in local["state"][i]:
-                    shard[lo:hi] = local["state"][i][key].reshape(-1)
-            full = torch.empty(fp.layout.padded_numel, dtype=shard.dtype, device=shard.device)
-            collectives.all_gather(full, shard, sharded.comm, label=f"optimizer state {fp.layout.name}")
-            if sharded.comm.rank == 0:
-                for i in members:
-                    slot = fp.layout.slots[index[i][2]]
-                    value = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
-                    full_state.setdefault(i, {})[key] = value
-    if sharded.comm.rank != 0:
-        return {}
-    return {"state": {i: full_state[i] for i in sorted(full_state)}, "param_groups": local["param_groups"]}
-
-
-def load_full_optimizer_state(optimizer: Optimizer, sharded: ShardedModel, state_dict: Mapping[str, Any]) -> None:
-    """Every rank: load an unsharded optimizer state dict, keeping this rank's slice of each tensor."""
-    index = _index(optimizer, sharded)
-    groups = state_dict["param_groups"]
-    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
-        raise ValueError(
-            "the optimizer state has param groups of sizes"
-            f" {[len(g['params']) for g in groups]} but the optimizer has"
-            f" {[len(g['params']) for g in optimizer.param_groups]}. HINT: resume with the same configure_optimizers()."
+def save(checkpoint: dict[str, Any], filepath: str | Path, sharded: ShardedModel, optimizers: list[Optimizer],
+         precision: str, plugin: CheckpointIO, storage_options: Any = None) -> None:
+    """Collective: write Lightning's dump (from ``module_state`` / ``optimizer_state``) atomically."""
+    if sharded.config.state_dict_type == "full":
+        _save_full(checkpoint, filepath, sharded, plugin, storage_options)
+        return
+    if storage_options is not None or _remote(filepath):
+        raise TypeError(
+            f"a sharded checkpoint is a directory on a local or shared file system; got {filepath!r} with"
+            f" storage_options={storage_options!r}. HINT: use a file system path, or state_dict_type='full' to"
+            " write one file through the CheckpointIO plugin."
         )
-    sliced: dict[int, dict[str, Any]] = {}
-    for i, state in state_dict["state"].items():
-        master, fp, slot_i = index[int(i)]
-        slot = fp.layout.slots[slot_i]
-        lo, hi = fp.layout.slot_in_shard(slot, fp.rank)
-        start = fp.layout.shard_range(fp.rank)[0]
-        a, b = start + lo - slot.offset, start + hi - slot.offset  # this rank's part, in the parameter's elements
-        sliced[int(i)] = {
-            k: v.reshape(-1)[a:b].clone() if _per_element(k, v, slot.numel) else v for k, v in state.items()
-        }
-    optimizer.load_state_dict({"state": sliced, "param_groups": groups})
+    checkpoint_sharded.save_sharded(checkpoint, filepath, sharded, optimizers, precision)
+
+
+def _save_full(checkpoint: dict[str, Any], filepath: str | Path, sharded: ShardedModel, plugin: CheckpointIO,
+               storage_options: Any) -> None:
+    """1. agree on the destination and on the per-rank entries (their values travel to rank 0)
+    2. rank 0 writes the file under a temporary name and renames it  3. every rank learns the outcome."""
+    comm = sharded.comm
+    final = str(filepath) if _remote(filepath) else Path(filepath).absolute()
+    comparable = {**checkpoint, "state_dict": replicated_state(sharded)}
+    mine = {"path": str(final), "tmp_id": new_id(), "digests": tree_digests(comparable)}
+    everyone = collectives.all_gather_object(mine, comm, label="checkpoint plan")
+    checkpoint_sharded.same_destination([e["path"] for e in everyone], "save")
+    paths = differing_paths([e["digests"] for e in everyone])
+    if paths:
+        values = collectives.all_gather_object([get_or_absent(comparable, p) for p in paths], comm,
+                                               label="checkpoint rank states")
+        states = SavedRankStates(comm.world_size, paths, values, sharded.config.broadcast_buffers)
+        checkpoint[RANK_STATES_KEY] = states.to_dict()
+    outcome = None
+    if comm.rank == 0:
+        outcome = _write_full(checkpoint, final, everyone[0]["tmp_id"], plugin, storage_options)
+    outcome = collectives.broadcast_object(outcome, comm)
+    if outcome is not None:
+        raise CheckpointError(outcome)
+
+
+def _write_full(checkpoint: dict[str, Any], final: str | Path, tmp_id: str, plugin: CheckpointIO,
+                storage_options: Any) -> str | None:
+    if isinstance(final, str):  # a remote URL: the plugin writes it (atomic only as far as the store is)
+        plugin.save_checkpoint(checkpoint, final, storage_options=storage_options)
+        return None
+    tmp = tmp_path(final, tmp_id)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        clear_leftovers(final)
+        plugin.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+        fsync_file(tmp)
+        commit(tmp, final)
+        return None
+    except Exception as err:  # noqa: BLE001  (every rank raises it)
+        delete(tmp)
+        return (f"saving the checkpoint {final} failed, so it was not written (any previous checkpoint of that name is"
+                f" unchanged): {type(err).__name__}: {err}. HINT: check free space and permissions of {final.parent}.")
+
+
+# ---- load ----
+
+
+def load(filepath: str | Path, sharded: ShardedModel, trainer: Any, weights_only: bool | None,
+         plugin: CheckpointIO) -> dict[str, Any]:
+    """Collective: open either format, verify it, agree on the verdict, restore per-rank entries.
+
+    The returned dict is what Lightning restores from; for a sharded checkpoint its ``state_dict`` holds
+    the replicated entries and ``SOURCE_KEY`` the reader that ``load_model`` / ``load_optimizers`` use."""
+    comm = sharded.comm
+    checkpoint, error = {}, None
+    try:
+        if _remote(filepath) or Path(filepath).is_file():
+            checkpoint = _load_full(filepath, plugin, weights_only)
+        else:
+            reader, checkpoint = checkpoint_sharded.open_verified(Path(filepath), sharded, weights_only)
+            checkpoint[SOURCE_KEY] = reader
+    except CheckpointError as err:
+        error = str(err)
+    except Exception as err:  # noqa: BLE001  (one rank's surprise must not leave the others waiting)
+        error = f"loading the checkpoint {filepath} failed: {type(err).__name__}: {err}"
+    where = str(filepath) if _remote(filepath) else str(Path(filepath).absolute())
+    verdicts = collectives.all_gather_object((where, error), comm, label="checkpoint verification")
+    checkpoint_sharded.same_destination([p for p, _ in verdicts], "load")
+    bad = [(rank, e) for rank, (_, e) in enumerate(verdicts) if e is not None]
+    if bad:
+        rank, message = bad[0]
+        others = f" and {len(bad) - 1} other rank(s)" if len(bad) > 1 else ""
+        raise CheckpointError(f"{message} [found by rank {rank}{others}]")
+    saved = checkpoint.pop(RANK_STATES_KEY, None)
+    if saved and saved["paths"]:
+        restore(checkpoint, SavedRankStates.from_dict(saved), comm.world_size, comm.rank, Owners.of(trainer),
+                str(filepath))
+    return checkpoint
+
+
+def _load_full(filepath: str | Path, plugin: CheckpointIO, weights_only: bool | None) -> dict[str, Any]:
+    """Every rank reads the file; memory-mapped where it can be, so N ranks on one host share its pages and
+    each touches one flat parameter at a time (load_full_state_dict) rather than holding a copy of all."""
+    try:
+        if type(plugin) is TorchCheckpointIO and not _remote(filepath):
+            try:
+                return torch.load(filepath, map_location="cpu", mmap=True, weights_only=weights_only)
+            except RuntimeError as err:
+                if "mmap" not in str(err):  # only files of torch's legacy format cannot be mapped
+                    raise
+        return plugin.load_checkpoint(filepath, weights_only=weights_only)
+    except Exception as err:  # noqa: BLE001
+        raise CheckpointError(
+            f"checkpoint file {filepath} cannot be loaded ({type(err).__name__}: {err}). HINT: it may be truncated or"
+            " damaged (a full checkpoint written by shardlab is renamed into place only once complete); if it holds"
+            " your own classes and you trust it, pass weights_only=False."
+        ) from None
+
+
+def load_model(sharded: ShardedModel, checkpoint: Mapping[str, Any], strict: bool) -> None:
+    """Collective: this rank's shard of every parameter, and the replicated entries."""
+    reader = checkpoint.get(SOURCE_KEY)
+    if reader is None:
+        load_full_state_dict(sharded, checkpoint["state_dict"], strict=strict)
+    else:
+        checkpoint_sharded.load_model(sharded, reader, checkpoint["state_dict"], strict)
+
+
+def load_optimizers(optimizers: list[Optimizer], sharded: ShardedModel, checkpoint: Mapping[str, Any]) -> None:
+    reader = checkpoint.get(SOURCE_KEY)
+    if reader is None:
+        for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
+            load_full_optimizer_state(optimizer, sharded, state)
+    else:
+        checkpoint_sharded.load_optimizers(optimizers, sharded, reader, checkpoint["optimizer_states"])
+
+
+def remove(filepath: str | Path, plugin: CheckpointIO) -> None:
+    """Rank 0: remove a checkpoint of either format (a directory is renamed aside first, then deleted)."""
+    if _remote(filepath):
+        plugin.remove_checkpoint(filepath)
+    else:
+        remove_path(Path(filepath))

@@ -16,6 +16,8 @@ or, with options,
 See ``configs/gpt_*.yaml`` for complete examples. The other subcommands are tools:
 
     shardlab plan --params 70e9 --world-size 64 --stage 3      # the budget before the hardware
+    shardlab consolidate SRC DST                               # a sharded checkpoint -> one plain Lightning file
+    shardlab inspect CKPT [--verify] [--json]                  # stage, world size, units, bytes per rank
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_shardlab  # noqa: F401  (registers "shardlab", "shardlab_stage_1", ... with Lightning)
 
 
-TOOLS = {"plan": "lightning_shardlab.plan"}  # subcommand -> module whose main(argv) runs it
+TOOLS = {  # subcommand -> module whose main(argv) runs it
+    "plan": "lightning_shardlab.plan",
+    "consolidate": "lightning_shardlab.checkpoint_consolidate",
+    "inspect": "lightning_shardlab.checkpoint_inspect",
+}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_shardlab.ledger import Ledger
+from lightning_shardlab.transport import TRANSPORTS, Builtin, time_transports
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class Comm:
     ledger: Ledger = field(default_factory=Ledger)
     observers: list[CollectiveObserver] = field(default_factory=list)
     seq: int = 0
+    # how all-gathers and reduce-scatters travel (transport.py); choose_transports() may change them
+    transports: dict[str, Any] = field(default_factory=lambda: {"all_gather": Builtin, "reduce_scatter": Builtin})
+    transport_times: dict[str, Any] = field(default_factory=dict)  # what choose_transports measured
 
     @property
     def backend(self) -> str:
@@ -89,36 +93,48 @@ class Comm:
 
 
 class Pending:
-    """A collective in flight. ``wait()`` blocks until it is done and runs its finishing step."""
+    """A collective in flight. ``wait()`` blocks until it is done and runs its finishing step.
 
-    def __init__(self, work: Any, finish: Callable[[], None] | None, record: Callable[[float], None]) -> None:
-        self._work, self._finish, self._record = work, finish, record
-        self._started = time.perf_counter()
+    The ledger is told the seconds this rank spent blocked on it (launching it, and in ``wait``): the
+    communication that compute did not hide, not the time it was in flight."""
+
+    def __init__(self, works: list[Any], finish: Callable[[], None] | None, record: Callable[[float], None],
+                 launch_seconds: float = 0.0) -> None:
+        self._works, self._finish, self._record = works, finish, record
+        self._blocked = launch_seconds
         self.done = False
 
     def wait(self) -> None:
         if self.done:
             return
-        if self._work is not None:
-            self._work.wait()
+        started = time.perf_counter()
+        for work in self._works:
+            work.wait()
         if self._finish is not None:
             self._finish()
         self.done = True
-        self._record(time.perf_counter() - self._started)
+        self._record(self._blocked + time.perf_counter() - started)
 
 
-NOTHING = Pending(None, None, lambda seconds: None)  # what world size 1 returns: nothing to wait for
+NOTHING = Pending([], None, lambda seconds: None)  # what world size 1 returns: nothing to wait for
 
 
 def _run(
     comm: Comm, kind: str, label: str, full: Tensor, launch: Callable[[], Any], finish: Callable[[], None] | None,
     async_op: bool,
 ) -> Pending:
-    """Announce the call to the observers, launch it, and (unless async) wait for it."""
+    """Announce the call to the observers, launch it, and (unless async) wait for it.
+
+    ``launch`` returns a work, or ``(works, finish)`` from a transport; ``finish`` runs after them."""
     call = comm.start(kind, label, full)
     nbytes = full.numel() * full.element_size()
     with torch.profiler.record_function(f"shardlab::{kind} ({label})"):
-        pending = Pending(launch(), finish, lambda seconds: comm.finish(call, nbytes, seconds))
+        started = time.perf_counter()
+        launched = launch()
+        works, first = launched if isinstance(launched, tuple) else ([launched], None)
+        steps = [f for f in (first, finish) if f is not None]
+        pending = Pending(works, (lambda: [f() for f in steps]) if steps else None,
+                          lambda seconds: comm.finish(call, nbytes, seconds), time.perf_counter() - started)
     if not async_op:
         pending.wait()
     return pending
@@ -140,8 +156,9 @@ def all_gather(
         return NOTHING
     out, inp = _staged(full, comm), _staged(shard, comm)
     finish = (lambda: full.copy_(out)) if out is not full else None
+    transport = comm.transports["all_gather"]
     return _run(
-        comm, kind, label, full, lambda: dist.all_gather_single(out, inp, group=comm.group, async_op=True),
+        comm, kind, label, full, lambda: transport.all_gather(out, inp, comm.group, comm.rank, comm.world_size),
         finish, async_op,
     )
 
@@ -161,10 +178,10 @@ def reduce_scatter(shard: Tensor, full: Tensor, comm: Comm, label: str = "", asy
         if out is not shard:
             shard.copy_(out)
 
+    transport = comm.transports["reduce_scatter"]
     return _run(
         comm, "reduce_scatter", label, full,
-        lambda: dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=comm.group, async_op=True),
-        finish, async_op,
+        lambda: transport.reduce_scatter_sum(out, inp, comm.group, comm.rank, comm.world_size), finish, async_op,
     )
 
 
@@ -225,3 +242,19 @@ def broadcast_object(obj: Any, comm: Comm, src: int = 0) -> Any:
     dist.broadcast_object_list(box, src=src, group=comm.group)
     comm.finish(call, 0, time.perf_counter() - started)
     return box[0]
+
+
+def choose_transports(comm: Comm, numel: int, dtype: torch.dtype, choice: str = "auto") -> dict[str, Any]:
+    """Settle how all-gathers and reduce-scatters travel: ``choice`` 'builtin' or 'pairwise', or 'auto':
+    time both on a flat parameter of ``numel`` elements and keep the faster (the slowest rank's times
+    decide, so every rank agrees). NCCL keeps its own collectives. Returns what was measured."""
+    if comm.world_size == 1 or comm.backend == "nccl" or comm.stages_through_cpu:
+        return {}
+    if choice != "auto":
+        comm.transports = {"all_gather": TRANSPORTS[choice], "reduce_scatter": TRANSPORTS[choice]}
+        return {}
+    times = torch.tensor(time_transports(numel, dtype, comm.group, comm.rank, comm.world_size), dtype=torch.float64)
+    ag_builtin, rs_builtin, ag_pairwise, rs_pairwise = all_reduce(times, comm, op="max", label="transport").tolist()
+    comm.transports = {"all_gather": TRANSPORTS["pairwise" if ag_pairwise < ag_builtin else "builtin"],
+                       "reduce_scatter": TRANSPORTS["pairwise" if rs_pairwise < rs_builtin else "builtin"]}
+    return {"all_gather": (ag_builtin, ag_pairwise), "reduce_scatter": (rs_builtin, rs_pairwise)}

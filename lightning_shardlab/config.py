@@ -79,6 +79,10 @@ class ShardLabConfig:
     """The dtype gradients are reduce-scattered in: 'fp32', 'bf16' or 'fp16'. None: fp32 under mixed
     precision (bf16 halves the traffic, at the cost of rounding the sum), else the parameters' dtype."""
 
+    transport: str = "auto"
+    """How all-gathers and reduce-scatters travel on gloo: 'builtin' (torch's collectives), 'pairwise'
+    (direct chunk exchange with batch_isend_irecv), or 'auto': time both at setup, keep the faster."""
+
     ranks_per_device: int = 1
     """Ranks per device: >1 runs a world of several ranks on one CPU or one GPU (the single-box proxy)."""
 
@@ -90,6 +94,11 @@ class ShardLabConfig:
 
     elementwise_optimizers: tuple[str, ...] = ()
     """Import paths of extra optimizer classes whose update is elementwise, so a shard-local step is exact."""
+
+    state_dict_type: str = "sharded"
+    """Checkpoints: 'sharded' (a directory in which every rank writes its own slices) or 'full' (one plain
+    Lightning file, gathered on rank 0, loadable without this package). Loading reads either, at any
+    world size and stage."""
 
     unit_types: tuple[type[nn.Module], ...] = field(init=False, default=())
 
@@ -103,7 +112,9 @@ class ShardLabConfig:
         except ValueError:
             _choice("accumulation", self.accumulation, tuple(a.value for a in Accumulation))
         _choice("process_group_backend", self.process_group_backend, (None, "gloo", "nccl"))
+        _choice("state_dict_type", self.state_dict_type, ("sharded", "full"))
         _choice("reduce_dtype", self.reduce_dtype, (None, *DTYPES))
+        _choice("transport", self.transport, ("auto", "builtin", "pairwise"))
         for option in ("min_unit_params", "ranks_per_device"):
             value = getattr(self, option)
             minimum = 0 if option == "min_unit_params" else 1

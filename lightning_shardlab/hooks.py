@@ -25,6 +25,7 @@ from lightning_shardlab.unit import Unit
 
 
 class Events(Protocol):
+    def pre_forward(self, unit: Unit) -> None: ...
     def pre_backward(self, unit: Unit) -> None: ...
     def post_backward(self, unit: Unit) -> None: ...
     def reshard_after_forward(self, unit: Unit) -> bool: ...
@@ -84,7 +85,7 @@ def _pre_forward(events: Events, unit: Unit, module: Any, args: tuple, kwargs: d
     if unit.in_backward:  # forward recomputed inside backward (activation checkpointing): already gathered
         return None
     with torch.profiler.record_function(f"shardlab::pre_forward ({unit.name})"):
-        unit.unshard()
+        events.pre_forward(unit)
     if unit.is_root or not (torch.is_grad_enabled() and unit.grad_flat_params):
         return None  # the root's post-backward runs at the end of backward: its params serve the whole step
     flat, spec = pytree.tree_flatten((args, kwargs))

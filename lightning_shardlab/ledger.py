@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class CollectiveTotals:
     count: int = 0
     bytes: int = 0  # the size of the full (gathered / reduced) tensor of each call
-    seconds: float = 0.0  # launch to wait() returning, as this rank saw it
+    seconds: float = 0.0  # this rank blocked on it: launching, and waiting (what compute did not hide)
 
     def add(self, nbytes: int, seconds: float) -> None:
         self.count += 1

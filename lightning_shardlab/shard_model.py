@@ -24,6 +24,7 @@ from lightning_shardlab.materialize import has_meta, materialize
 from lightning_shardlab.policy import ParamUse, choose_unit_paths, group_flat_params, owning_unit, param_uses
 from lightning_shardlab.unit import Registration, Unit
 
+TRANSPORT_PROBE_NUMEL = 8 * 2**20  # the transports are timed on the biggest flat parameter, up to this size
 MAX_REDUCTIONS_IN_FLIGHT = 1  # more overlap more, but each holds its unit's whole flat gradient alive
 _SHARDED: weakref.WeakKeyDictionary[nn.Module, ShardedModel] = weakref.WeakKeyDictionary()
 
@@ -44,6 +45,8 @@ class ShardedModel:
         self._end_of_backward = hooks.EndOfBackward(self._finish_backward)
         self._warned_unused: set[str] = set()
         self._in_flight: list[Unit] = []  # units whose reduce-scatters are launched, oldest first
+        self._order: list[Unit] = []  # non-root units in the order their forward ran, this step
+        self._last_order: list[Unit] = []  # ... and last step: what forward prefetching follows
 
     @property
     def root(self) -> Unit:
@@ -72,11 +75,34 @@ class ShardedModel:
             return not torch.is_grad_enabled() and not self._root_held
         return not torch.is_grad_enabled() or self.config.reshard_after_forward
 
+    def pre_forward(self, unit: Unit) -> None:
+        """Gather ``unit`` (its prefetch may be in flight already) and prefetch the unit that ran after it
+        last step; remember this step's order for backward."""
+        unit.unshard()
+        if unit.is_root:
+            return
+        self._order.append(unit)
+        self._prefetch_after(unit, self._last_order)
+
     def pre_backward(self, unit: Unit) -> None:
         self._end_of_backward.queue()
         with torch.profiler.record_function(f"shardlab::pre_backward ({unit.name})"):
             unit.unshard()
+            if not unit.is_root:
+                self._prefetch_after(unit, self._order[::-1])  # backward runs the forward order backwards
         unit.in_backward = True
+
+    def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
+        if self.config.stage is not Stage.PARAMETERS or unit not in order:
+            return
+        i = order.index(unit)
+        if i + 1 < len(order):
+            order[i + 1].prefetch()
+
+    def wait_gathers(self) -> None:
+        """Wait for every all-gather in flight (before reading or overwriting full buffers or shards)."""
+        for unit in self.units:
+            unit.wait_gathers()
 
     def post_backward(self, unit: Unit) -> None:
         if not unit.in_backward:
@@ -92,8 +118,10 @@ class ShardedModel:
 
     def _reduce(self, unit: Unit) -> None:
         """Launch ``unit``'s reduce-scatters; to bound memory, first wait for all but the newest in flight:
-        each keeps a flat gradient alive (backward goes on computing while the newest reduces)."""
-        while len(self._in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:
+        each keeps a flat gradient alive (backward goes on computing while the newest reduces). Stage 1
+        holds every full gradient until the end of backward anyway, so there all may fly at once."""
+        limit = len(self.units) if self.config.stage is Stage.OPTIMIZER else MAX_REDUCTIONS_IN_FLIGHT
+        while len(self._in_flight) >= limit:
             self._in_flight.pop(0).wait_reductions()
         unit.reduce_grads(async_op=True)
         self._in_flight.append(unit)
@@ -159,8 +187,12 @@ class ShardedModel:
 
     @contextmanager
     def step(self, keep_root_gathered: bool) -> Iterator[None]:
-        """Keep the root unit gathered for one step (its parameters are used anywhere in the step)."""
+        """Keep the root unit gathered for one step (its parameters are used anywhere in the step), and
+        start gathering the unit that ran first last step."""
+        self._last_order, self._order = self._order or self._last_order, []
         self.root.unshard()
+        if self._last_order and self.config.stage is Stage.PARAMETERS:
+            self._last_order[0].prefetch()
         self._root_held = True
         try:
             yield
@@ -198,17 +230,23 @@ class ShardedModel:
 
     def after_optimizer_step(self, stepped: set[FlatParam]) -> None:
         """Bring the compute copies up to date with the master shards an optimizer just updated."""
+        self.wait_gathers()  # nothing may still be sending a shard the step changed
+        for unit in self.units:
+            if unit.prefetched:  # gathered before the step: stale now
+                unit.reshard()
         for fp in stepped:
             gradients.release(fp)
             if self.config.stage is Stage.PARAMETERS:
                 fp.shard_from_master()
         for unit in self.units:
             unit.gather_after_step(stepped)
+        self.root.wait_gathers()  # the root's parameters may be used anywhere, with no hook to wait in
         if not self._root_held:
             self.root.reshard()
 
     def gather_full(self, fp: FlatParam) -> Tensor:
         """Collective: the full values of ``fp`` in master precision (1-D, padded_numel), on every rank."""
+        self.wait_gathers()
         if fp.master is fp.shard and (fp.resident_full or fp.layout.world_size == 1):
             return fp.full
         out = torch.empty(fp.layout.padded_numel, dtype=fp.master.dtype, device=fp.master.device)
@@ -228,6 +266,7 @@ def shard_model(
     existing = _SHARDED.get(module)
     if existing is not None:
         if existing.config == config and existing.policy == policy and existing.comm.world_size == comm.world_size:
+            existing.wait_gathers()
             return existing
         raise ValueError(
             f"{type(module).__name__} is already sharded (stage {int(existing.config.stage)}, world size"
@@ -240,6 +279,10 @@ def shard_model(
     groups = {path: group_flat_params(path, [u for u in uses if owners[id(u.param)] == path], comm.world_size)
               for path in unit_paths}
     flat = {path: [_new_flat_param(layout, config, comm, policy) for layout, _ in g] for path, g in groups.items()}
+    biggest = max((fp for fps in flat.values() for fp in fps), key=lambda fp: fp.layout.padded_numel, default=None)
+    if biggest is not None:
+        numel = min(biggest.layout.padded_numel, TRANSPORT_PROBE_NUMEL)
+        comm.transport_times = collectives.choose_transports(comm, numel, biggest.compute_dtype, config.transport)
     pairs = [(fp, group) for path in unit_paths for fp, (_, group) in zip(flat[path], groups[path])]
     load = functools.partial(_load_from_rank_0, comm=comm)
     if has_meta(module):

@@ -57,11 +57,15 @@ class ShardLabStrategy(ParallelStrategy):
             every rank, as DDP does.
         reduce_dtype: 'fp32', 'bf16' or 'fp16': what gradients are reduce-scattered in (default: fp32 under
             mixed precision, else the parameters' dtype).
+        transport: 'auto', 'builtin' or 'pairwise': how gloo all-gathers and reduce-scatters travel ('auto'
+            times torch's collectives against a direct pairwise exchange at setup and keeps the faster).
         gradient_clip_norm_type: the norm ``Trainer(gradient_clip_val=...)`` clips by (2, 1 or 'inf').
         ranks_per_device: several ranks on one device (the single-box proxy).
         process_group_backend: 'gloo' or 'nccl' (default: gloo on CPU and for shared GPUs, else NCCL).
         timeout_s: process group timeout, seconds.
         elementwise_optimizers: import paths of extra optimizer classes to treat as elementwise.
+        state_dict_type: checkpoints are 'sharded' (a directory: every rank writes its own slices) or 'full'
+            (one plain Lightning file gathered on rank 0). Loading reads either at any world size and stage.
     """
 
     strategy_name = "shardlab"
@@ -76,11 +80,13 @@ class ShardLabStrategy(ParallelStrategy):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         reduce_dtype: str | None = None,
+        transport: str = "auto",
         gradient_clip_norm_type: float | str = 2.0,
         ranks_per_device: int = 1,
         process_group_backend: str | None = None,
         timeout_s: float = 1800.0,
         elementwise_optimizers: list[str] | None = None,
+        state_dict_type: str = "sharded",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -91,9 +97,10 @@ class ShardLabStrategy(ParallelStrategy):
             stage=stage, unit_classes=unit_classes or (), min_unit_params=min_unit_params,
             reshard_after_forward=reshard_after_forward, accumulation=accumulation,
             find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype,
+            transport=transport,
             gradient_clip_norm_type=gradient_clip_norm_type,
             ranks_per_device=ranks_per_device, process_group_backend=process_group_backend, timeout_s=timeout_s,
-            elementwise_optimizers=elementwise_optimizers or (),
+            elementwise_optimizers=elementwise_optimizers or (), state_dict_type=state_dict_type,
         )
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.num_nodes = 1
@@ -314,7 +321,7 @@ class ShardLabStrategy(ParallelStrategy):
             return obj
         return collectives.broadcast_object(obj, self.comm, src)
 
-    # ---- state dicts and checkpoints (full: a plain Lightning checkpoint) ----
+    # ---- state dicts and checkpoints ("sharded" directories or "full" files: checkpoint.py) ----
 
     def full_state_dict(self) -> dict[str, Any]:
         """Collective: the unsharded ``module.state_dict()`` (CPU tensors) on global rank 0, ``{}`` elsewhere."""
@@ -323,14 +330,34 @@ class ShardLabStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.full_state_dict()
+        assert self.sharded is not None
+        return ckpt.module_state(self.sharded)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.sharded is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return ckpt.full_optimizer_state(optimizer, self.sharded)
+        return ckpt.optimizer_state(optimizer, self.sharded)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Collective: written atomically, by every rank (sharded) or by rank 0 (full)."""
+        assert self.sharded is not None, "save_checkpoint() needs the model set up by trainer.fit/validate/..."
+        ckpt.save(checkpoint, filepath, self.sharded, self.optimizers, self.precision_plugin.precision,
+                  self.checkpoint_io, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Collective: either format, verified, the same verdict on every rank; per-rank entries restored."""
+        assert self.sharded is not None and self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        return ckpt.load(checkpoint_path, self.sharded, trainer, weights_only, self.checkpoint_io)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            ckpt.remove(filepath, self.checkpoint_io)
 
     @property
     @override
@@ -340,13 +367,12 @@ class ShardLabStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.sharded is not None
-        ckpt.load_full_state_dict(self.sharded, checkpoint["state_dict"], strict=strict)
+        ckpt.load_model(self.sharded, checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.sharded is not None
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            ckpt.load_full_optimizer_state(optimizer, self.sharded, state)
+        ckpt.load_optimizers(self.optimizers, self.sharded, checkpoint)
 
     # ---- teardown ----
 
@@ -355,6 +381,8 @@ class ShardLabStrategy(ParallelStrategy):
         # The module stays sharded (placeholders, hooks) so later validate/test/predict reuse it; the
         # base teardown's module.cpu() would try to copy the meta placeholders.
         assert self.cluster_environment is not None and self.accelerator is not None
+        if self.sharded is not None:
+            self.sharded.wait_gathers()  # the refresh after the last optimizer step may still be travelling
         lm = self.lightning_module
         if lm is not None and lm._trainer is not None and lm._trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             self.model = self._layer_sync.revert(self.model)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from lightning_shardlab import collectives, gradients
 from lightning_shardlab.collectives import Comm, Pending
-from lightning_shardlab.flat_param import FlatParam
+from lightning_shardlab.flat_param import FlatParam, storage_is_allocated
 
 
 class UnitState(Enum):
@@ -52,6 +52,8 @@ class Unit:
         # [flat param] -> 1-D bool, numel = number of slots: got a gradient since the last reduction
         self.used = [torch.zeros(len(fp.layout.slots), dtype=torch.bool) for fp in self.grad_flat_params]
         self._pending: list[tuple[FlatParam, Tensor, Tensor, Pending]] = []  # (fp, flat grad, new shard, work)
+        self._gathering: list[Pending] = []  # all-gathers in flight into the full buffers
+        self.prefetched = False  # SHARDED, but the full buffers already hold gathered values
 
     def __repr__(self) -> str:
         return f"Unit({self.name}, {self.state.value}, {len(self.flat_params)} flat params)"
@@ -65,30 +67,50 @@ class Unit:
                 f"expected {state.value}."
             )
 
+    def prefetch(self) -> None:
+        """Stage 3: launch this unit's all-gathers now, so they travel while the unit before it computes."""
+        if self.state is UnitState.SHARDED and not self._gathering and not self.prefetched:
+            for fp in self.flat_params:
+                if fp.gathers:
+                    fp.alloc_full()
+                    self.comm.ledger.track_gathered(fp.full.untyped_storage().nbytes())
+                    self._gathering.append(
+                        collectives.all_gather(fp.full, fp.shard, self.comm, label=fp.layout.name, async_op=True)
+                    )
+
+    def wait_gathers(self) -> None:
+        """Wait for this unit's all-gathers in flight (a prefetch, or the refresh after an optimizer step)."""
+        if self._gathering and self.state is UnitState.SHARDED:
+            self.prefetched = True  # the full buffers hold the gathered values, not yet in use
+        while self._gathering:
+            self._gathering.pop(0).wait()
+
     def unshard(self) -> None:
-        """All-gather every flat parameter and point the module at the unsharded params."""
+        """All-gather every flat parameter (unless prefetched) and point the module at the unsharded params."""
+        self.wait_gathers()
         if self.state is UnitState.UNSHARDED:
             return
         self._expect(UnitState.SHARDED, "unshard")
-        for fp in self.flat_params:
-            if fp.gathers:
-                fp.alloc_full()
-                self.comm.ledger.track_gathered(fp.full.untyped_storage().nbytes())
-                collectives.all_gather(fp.full, fp.shard, self.comm, label=fp.layout.name)
+        self.prefetch()
+        self.wait_gathers()
         self._register([fp.unsharded_params for fp in self.flat_params])
         self.state = UnitState.UNSHARDED
+        self.prefetched = False
 
     def reshard(self) -> None:
-        """Point the module at the placeholders and free the full buffers (stage 3 only)."""
-        if not self.reshard_at_rest or self.state is UnitState.SHARDED:
+        """Point the module at the placeholders and free the full buffers (stage 3 only); also drops a
+        prefetch that was not used."""
+        if not self.reshard_at_rest:
             return
-        self._expect(UnitState.UNSHARDED, "reshard")
-        self._register([fp.placeholders for fp in self.flat_params])
+        self.wait_gathers()
+        if self.state is UnitState.UNSHARDED:
+            self._register([fp.placeholders for fp in self.flat_params])
+            self.state = UnitState.SHARDED
         for fp in self.flat_params:
-            if fp.gathers:
+            if fp.gathers and storage_is_allocated(fp.full):
                 self.comm.ledger.track_gathered(-fp.full.untyped_storage().nbytes())
-            fp.free_full()
-        self.state = UnitState.SHARDED
+                fp.free_full()
+        self.prefetched = False
 
     def _register(self, params_per_fp: list[list[nn.Parameter]]) -> None:
         # Writing ``_parameters`` directly swaps the object a name refers to without nn.Module's
@@ -156,11 +178,15 @@ class Unit:
 
     def gather_after_step(self, stepped: set[FlatParam]) -> None:
         """Refresh full buffers from the shards an optimizer just updated: always at stages 1-2 (resident),
-        and at stage 3 for a unit that is gathered right now (the root within a manually optimised step)."""
+        and at stage 3 for a unit that is gathered right now (the root within a manually optimised step).
+        Launched, not waited: the unit waits in its next ``unshard`` (its forward), so the all-gathers of
+        later units travel while earlier ones compute."""
         if self.state is UnitState.SHARDED:
             return
         for fp in self.flat_params:
             if fp in stepped and (fp.resident_full or fp.gathers):
                 fp.shard_from_master()
-                collectives.all_gather(fp.full, fp.shard, self.comm, label=fp.layout.name)
+                self._gathering.append(
+                    collectives.all_gather(fp.full, fp.shard, self.comm, label=fp.layout.name, async_op=True)
+                )
 

@@ -27,7 +27,9 @@ def count_per_step(stage: int, reshard_after_forward: bool = True, steps: int = 
     comm = init_from_env()
     torch.manual_seed(0)
     model = OddNet()
-    sharded = shard_model(model, ShardLabConfig(stage=stage, reshard_after_forward=reshard_after_forward), comm)
+    # builtin: each all-gather / reduce-scatter is one torch.distributed call, countable by name
+    config = ShardLabConfig(stage=stage, reshard_after_forward=reshard_after_forward, transport="builtin")
+    sharded = shard_model(model, config, comm)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     shard_optimizer(optimizer, sharded)
     per_step = []
@@ -83,7 +85,7 @@ def count_with_accumulation(stage: int, accumulation: str, optimizer_steps: int 
     torch.manual_seed(0)
     callback = CountDuringTraining()
     world = int(os.environ["WORLD_SIZE"])
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardLabStrategy(stage=stage, accumulation=accumulation),
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardLabStrategy(stage=stage, accumulation=accumulation, transport="builtin"),
                         max_steps=optimizer_steps, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         callbacks=[callback])

@@ -25,7 +25,8 @@ OPTIMIZERS = {
 }
 
 
-def core_parity(stage: int, steps: int = 10, local_batch: int = 3, reshard_after_forward: bool = True) -> dict:
+def core_parity(stage: int, steps: int = 10, local_batch: int = 3, reshard_after_forward: bool = True,
+                transport: str = "auto") -> dict:
     """Worker: train OddNet sharded and unsharded with each optimizer; assert equality every step."""
     comm = init_from_env()
     report = {}
@@ -33,7 +34,7 @@ def core_parity(stage: int, steps: int = 10, local_batch: int = 3, reshard_after
         torch.manual_seed(0)
         reference = OddNet()
         model = copy.deepcopy(reference)
-        config = ShardLabConfig(stage=stage, reshard_after_forward=reshard_after_forward)
+        config = ShardLabConfig(stage=stage, reshard_after_forward=reshard_after_forward, transport=transport)
         sharded = shard_model(model, config, comm)
         optimizer = make_optimizer(model.parameters())
         shard_optimizer(optimizer, sharded)

@@ -63,7 +63,7 @@ def report(*lines: str) -> None:
 
 def make_trainer(recipe: Recipe, stage: int, steps: int, logs: Path) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=2, strategy=ShardLabStrategy(stage=stage), max_steps=steps,
+        accelerator="cpu", devices=2, strategy=ShardLabStrategy(stage=stage, state_dict_type="full"), max_steps=steps,
         val_check_interval=min(recipe.val_every, steps), limit_val_batches=recipe.val_batches,
         num_sanity_val_steps=0, log_every_n_steps=5, enable_checkpointing=False,
         logger=CSVLogger(logs, name="logs"), callbacks=[ShardLabBudget()],

@@ -8,6 +8,9 @@ one text can be fine-tuned on another without a new vocabulary. The built-in cor
 
 Every rank builds the same data: the text, the split and the training blocks depend only on the options.
 Lightning's DistributedSampler then hands each rank its share of the blocks.
+
+For a pretrained model with its own vocabulary (GPT-2's, say), ``tokenizer`` names a Hugging Face tokenizer
+(a local directory or a name in the local cache; ``transformers`` is then needed) used instead of bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import lightning as L
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
+
+from lightning_shardlab.examples.hf_local import from_local, require_transformers
 
 SOURCES = ("stdlib_docstrings", "python_topics")
 
@@ -87,6 +92,21 @@ def decode(tokens: Tensor) -> str:
     return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
 
 
+# ---- a Hugging Face tokenizer instead (optional) ----
+
+
+def load_tokenizer(name: str):  # -> transformers.PreTrainedTokenizerBase
+    transformers = require_transformers("tokenizer")
+    return from_local(transformers.AutoTokenizer.from_pretrained, name, "tokenizer")
+
+
+def encode_with(tokenizer, text: str, max_bytes: int) -> Tensor:
+    """The token ids of the text's first ``max_bytes`` bytes, without special tokens."""
+    text = text.encode("utf-8")[:max_bytes].decode("utf-8", errors="ignore")
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]  # verbose: no "too long" warning
+    return torch.tensor(ids, dtype=torch.long)  # (n,)
+
+
 # ---- blocks of tokens ----
 
 
@@ -135,6 +155,9 @@ class TextDataModule(L.LightningDataModule):
         seed: the seed of the training block offsets.
         max_bytes: read at most this many bytes of text (the built-in corpora are about 0.4 MB each).
         num_workers: DataLoader worker processes.
+        tokenizer: a Hugging Face tokenizer to use instead of bytes: a local directory or a name in the local
+            cache, loaded with ``transformers.AutoTokenizer`` and ``local_files_only=True`` (e.g. GPT-2's, for a
+            pretrained GPT-2). None: UTF-8 bytes, vocabulary 256.
     """
 
     def __init__(
@@ -148,6 +171,7 @@ class TextDataModule(L.LightningDataModule):
         seed: int = 1337,
         max_bytes: int = 10_000_000,
         num_workers: int = 0,
+        tokenizer: str | None = None,
     ) -> None:
         super().__init__()
         if source not in SOURCES:
@@ -155,12 +179,17 @@ class TextDataModule(L.LightningDataModule):
         if not 0 < val_fraction < 1:
             raise ValueError(f"`val_fraction={val_fraction}` must be between 0 and 1.")
         self.save_hyperparameters()
+        self.tokenizer = None if tokenizer is None else load_tokenizer(tokenizer)
+        self.vocab_size = 256 if self.tokenizer is None else len(self.tokenizer)  # token ids are 0 .. vocab_size - 1
         self.train_tokens: Tensor | None = None
         self.val_tokens: Tensor | None = None
 
     def tokens(self) -> Tensor:
-        """The whole text as byte tokens (uint8, at most ``max_bytes``)."""
-        return encode(read_text(self.hparams.path, self.hparams.source))[: self.hparams.max_bytes]
+        """The whole text as byte tokens (uint8, at most ``max_bytes``), or the tokenizer's ids (int64) of as much."""
+        text = read_text(self.hparams.path, self.hparams.source)
+        if self.tokenizer is not None:
+            return encode_with(self.tokenizer, text, self.hparams.max_bytes)
+        return encode(text)[: self.hparams.max_bytes]
 
     def setup(self, stage: str) -> None:
         if self.train_tokens is not None:
@@ -171,7 +200,8 @@ class TextDataModule(L.LightningDataModule):
         for name, part in (("training", self.train_tokens), ("validation", self.val_tokens)):
             if len(part) <= self.hparams.block_size:
                 raise ValueError(
-                    f"the {name} text has {len(part)} bytes, not more than block_size={self.hparams.block_size}."
+                    f"the {name} text has {len(part)} {'bytes' if self.tokenizer is None else 'tokens'},"
+                    f" not more than block_size={self.hparams.block_size}."
                     " HINT: use a longer text, a smaller block_size, or adjust val_fraction."
                 )
 
