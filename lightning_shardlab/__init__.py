@@ -11,8 +11,11 @@ from lightning_shardlab.checkpoint_files import CheckpointError
 from lightning_shardlab.collectives import Comm
 from lightning_shardlab.config import Accumulation, ShardLabConfig, Stage
 from lightning_shardlab.optimizer import shard_optimizer
+from lightning_shardlab.sanity_callback import ShardLabSanity
+from lightning_shardlab.sanity_guard import SanityConfig, SanityGuard
 from lightning_shardlab.shard_model import ShardedModel, shard_model
 from lightning_shardlab.strategy import ShardLabStrategy
+from lightning_shardlab.vitals import ShardLabVitals
 
 ShardLabStrategy.register_strategies(StrategyRegistry)
 
@@ -21,8 +24,12 @@ __all__ = [
     "CheckpointError",
     "Comm",
     "ShardLabBudget",
+    "SanityConfig",
+    "SanityGuard",
     "ShardLabConfig",
+    "ShardLabSanity",
     "ShardLabStrategy",
+    "ShardLabVitals",
     "ShardedModel",
     "Stage",
     "shard_model",

@@ -62,5 +62,4 @@ class OrderlyStop:
 
     def message(self) -> str:
         assert self.agreed is not None
-        return (f"[rank {self.channel.rank}] stopped in order after step {self.agreed['step']}: rank"
-                f" {self.agreed['rank']} received {self.agreed['signal']}.")
+        return f"stopped in order after step {self.agreed['step']}: rank {self.agreed['rank']} received {self.agreed['signal']}."

@@ -110,7 +110,7 @@ def check_fingerprints(comm: Comm, recorder: FingerprintRecorder, when: str = ""
         return
     mine = recorder.summary().to(comm.device)
     everyone = torch.empty(comm.world_size * 2, dtype=torch.int64, device=comm.device)  # 1-D, world * 2
-    collectives.all_gather(everyone, mine, comm, label="sanity fingerprints")
+    collectives.all_gather(everyone, mine, comm, label="sanity fingerprints", kind="sanity")
     if bool((everyone.view(-1, 2) == mine).all()):
         recorder.clear()
         return

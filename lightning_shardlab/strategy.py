@@ -25,6 +25,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -37,6 +38,8 @@ from lightning_shardlab.config import Accumulation, ShardLabConfig
 from lightning_shardlab.materialize import has_meta
 from lightning_shardlab.optimizer import global_grad_norm, shard_optimizer
 from lightning_shardlab.precision import ShardLabPrecision, shardlab_precision
+from lightning_shardlab.sanity_callback import ShardLabSanity
+from lightning_shardlab.sanity_guard import SanityConfig, SanityGuard
 from lightning_shardlab.shard_model import ShardedModel, shard_model
 
 
@@ -66,6 +69,12 @@ class ShardLabStrategy(ParallelStrategy):
         elementwise_optimizers: import paths of extra optimizer classes to treat as elementwise.
         state_dict_type: checkpoints are 'sharded' (a directory: every rank writes its own slices) or 'full'
             (one plain Lightning file gathered on rank 0). Loading reads either at any world size and stage.
+        sanity_every_n_steps: before every K-th training batch compare collective fingerprints, replicated
+            state and batches across ranks (one tiny all-gather each); 0: off. See docs/sanity.md.
+        strict_collectives: debug mode: compare every collective's fingerprint across ranks before it runs.
+        collective_timeout_s: end the run on every rank, with a report of what each rank waits on, when a
+            collective has not finished after this long (None: no watchdog).
+        handle_sigterm: SIGTERM on any rank stops every rank after the same step.
     """
 
     strategy_name = "shardlab"
@@ -87,6 +96,10 @@ class ShardLabStrategy(ParallelStrategy):
         timeout_s: float = 1800.0,
         elementwise_optimizers: list[str] | None = None,
         state_dict_type: str = "sharded",
+        sanity_every_n_steps: int = 10,
+        strict_collectives: bool = False,
+        collective_timeout_s: float | None = 300.0,
+        handle_sigterm: bool = True,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -106,6 +119,10 @@ class ShardLabStrategy(ParallelStrategy):
         self.num_nodes = 1
         self.comm: Comm | None = None
         self.sharded: ShardedModel | None = None
+        self.sanity_config = SanityConfig(every_n_steps=sanity_every_n_steps, strict_collectives=strict_collectives,
+                                          collective_timeout_s=collective_timeout_s, handle_sigterm=handle_sigterm)
+        self.sanity: SanityGuard | None = None
+        self._sanity_batches = 0
 
     # ---- devices, ranks, process group ----
 
@@ -275,6 +292,42 @@ class ShardLabStrategy(ParallelStrategy):
         assert self.sharded is not None
         with self.sharded.step(keep_root_gathered=False):
             return super().predict_step(*args, **kwargs)
+
+    # ---- sanity: fingerprints, replicated state, data, watchdog, SIGTERM (sanity_guard.py) ----
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        assert self.sharded is not None and self.lightning_module is not None
+        if any(isinstance(c, ShardLabSanity) for c in self.lightning_module.trainer.callbacks):
+            return  # the user's own ShardLabSanity callback, with its options, runs the checks
+        self.sanity = SanityGuard(self.sharded, self.optimizers, self.sanity_config).start()
+        self.sanity.install_sigterm()  # after Lightning registered its own handler
+        self._sanity_batches = 0
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.sanity is None:
+            return
+        if self._sanity_batches and self.sanity.stop_after(self._sanity_batches - 1):
+            raise SIGTERMException  # on every rank, at the same batch
+        self.sanity.before_step(self._sanity_batches, batch)
+        self._sanity_batches += 1
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.sanity is not None:
+            self.sanity.finish()
+            self.sanity = None
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if self.sanity is not None:
+            self.sanity.handle_exception(exception)
+            self.sanity = None
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:

@@ -4,7 +4,9 @@ Per rank, a daemon thread publishes a heartbeat with what this rank is doing (th
 the last one finished, where its main thread is) through the rendezvous store (side_channel.py: the
 store keeps answering while the backend waits) and watches for three faults:
 
-    hang      this rank's oldest collective in flight has not finished after ``timeout_s``
+    hang      this rank's main thread has been blocked in a collective for ``timeout_s`` with no collective
+              started or finished meanwhile (blocked: its innermost frame is a collective's wait, seen
+              by sampling its stack; so an async collective launched early and waited late is no hang)
     failure   a rank reported an exception (``handle_exception``: from on_exception, or the guard)
     death     rank 0 watches the others: a process on its host that is gone, or a rank on another host
               whose heartbeat stopped for ``heartbeat_timeout_s``; every rank notices a store that is
@@ -56,6 +58,10 @@ def log(rank: int, text: str) -> None:
 
 
 class Watchdog(CollectiveObserver):
+    """One rank's watchdog: ``start()`` it on every rank before training, ``stop()`` it after a clean end,
+    and hand it any exception that ends training (``handle_exception``). The observer events give it the
+    collectives in flight; the thread does the rest."""
+
     def __init__(self, comm: Comm, timeout_s: float = 300.0, heartbeat_timeout_s: float = 30.0, poll_s: float = 1.0,
                  grace_s: float = 10.0, ack_s: float = 5.0) -> None:
         self.comm = comm
@@ -65,8 +71,11 @@ class Watchdog(CollectiveObserver):
         self.channel: SideChannel | None = None
         self._inflight: dict[int, tuple[CollectiveCall, float]] = {}  # seq -> (call, started at)
         self._last: tuple[CollectiveCall | None, float] = (None, time.monotonic())  # last finished, when
+        self._blocked_since: float | None = None  # the main thread seen blocked in a collective, no progress since
+        self._progress: tuple = ()  # (collectives issued, last finished) when it was last sampled
         self._beat = 0
         self._seen: dict[int, tuple[int, float]] = {}  # rank 0: rank -> (its last beat, when it changed)
+        self._lock = threading.Lock()
         self._closed = threading.Event()
         self._main_knows = threading.Event()  # the main thread is handling the end: no signal needed
         self._thread: threading.Thread | None = None
@@ -169,27 +178,39 @@ class Watchdog(CollectiveObserver):
     def _check(self, store: Any) -> None:
         self._publish(store, "running")
         abort = read(store, "abort")
-        if abort is not None:
+        if abort is not None and self.report is None:
             return self._end(store, abort, origin=False)
-        oldest = min(self._inflight.values(), key=lambda entry: entry[1], default=None)
-        if oldest is not None and time.monotonic() - oldest[1] > self.timeout_s:
-            states = self._states(store)
-            return self._abort(store, report.hang(self.comm.rank, oldest[0].fingerprint, self.timeout_s, states))
+        if self.report is not None:
+            return  # this rank is ending already
+        if self._blocked_since is not None and time.monotonic() - self._blocked_since > self.timeout_s:
+            oldest = self._oldest()
+            call = None if oldest is None else oldest[0].fingerprint
+            return self._abort(store, report.hang(self.comm.rank, call, self.timeout_s, self._states(store)))
         gone = self._gone(store) if self.comm.rank == 0 else {}
         if gone:
-            self._abort(store, report.death(gone, self._states(store)))
+            self._abort(store, report.death(gone, self._states(store)), dead=set(gone))
 
-    def _abort(self, store: Any, text: str) -> None:
+    def _abort(self, store: Any, text: str, dead: set[int] = frozenset()) -> None:
         """Post the report unless another rank already did; end with whichever is there."""
-        winner = first(store, "abort", {"rank": self.comm.rank, "report": text})
+        winner = first(store, "abort", {"rank": self.comm.rank, "report": text, "dead": sorted(dead)})
         self._end(store, winner, origin=winner["rank"] == self.comm.rank)
 
-    def _end(self, store: Any, abort: dict, origin: bool) -> None:
-        self.report = abort["report"]
+    def _learn(self, store: Any, abort: dict) -> None:
+        """Take ``abort``'s report as this rank's (once: both threads may find it), log it, acknowledge it."""
+        with self._lock:
+            if self.report is not None:
+                return
+            self.report = abort["report"]
         log(self.comm.rank, self.report)
-        store.add("acks", 1)
+        store.set(f"ack/{self.comm.rank}", "")
+
+    def _end(self, store: Any, abort: dict, origin: bool) -> None:
+        """Learn the report; the rank that posted it waits (up to ack_s) for every live rank's
+        acknowledgement, so that it (the store's host, perhaps) does not leave before they read it."""
+        self._learn(store, abort)
+        live = [f"ack/{r}" for r in range(self.comm.world_size) if r not in abort.get("dead", ())]
         deadline = time.monotonic() + self.ack_s
-        while origin and int(store.add("acks", 0)) < self.comm.world_size and time.monotonic() < deadline:
+        while origin and not store.check(live) and time.monotonic() < deadline:
             time.sleep(0.01)
         if threading.current_thread() is self._thread:
             self._stop_main()
@@ -215,19 +236,34 @@ class Watchdog(CollectiveObserver):
 
     # ---- heartbeats and the other ranks' states ----
 
+    def _sample(self) -> tuple[bool, str | None]:
+        """Where the main thread is, and whether it is blocked in a collective; keeps ``_blocked_since``."""
+        blocked, where = sample_main_thread()
+        last = self._last[0]
+        progress = (self.comm.seq, None if last is None else last.seq)
+        if not blocked or progress != self._progress:
+            self._blocked_since = time.monotonic() if blocked else None
+        self._progress = progress
+        return blocked, where
+
     def _publish(self, store: Any, state: str, **extra: Any) -> None:
         self._beat += 1
-        inflight = min(self._inflight.values(), key=lambda entry: entry[1], default=None)
+        blocked, where = self._sample()
+        inflight = self._oldest()
         last, last_at = self._last
         now = time.monotonic()
         status = {
             "rank": self.comm.rank, "beat": self._beat, "state": state, "issued": self.comm.seq, **this_process(),
+            "blocked": blocked, "waiting_s": None if self._blocked_since is None else now - self._blocked_since,
             "inflight": None if inflight is None else list(inflight[0].fingerprint),
-            "waiting_s": None if inflight is None else now - inflight[1],
             "last": None if last is None else list(last.fingerprint), "idle_s": now - last_at,
-            "where": main_thread_location(), **extra,
+            "where": where, **extra,
         }
         put(store, f"status/{self.comm.rank}", status)
+
+    def _oldest(self) -> tuple[CollectiveCall, float] | None:
+        """This rank's oldest collective in flight (the main thread adds and removes them: copy first)."""
+        return min(list(self._inflight.values()), key=lambda entry: entry[1], default=None)
 
     def _states(self, store: Any) -> dict[int, dict | None]:
         return {r: read(store, f"status/{r}") for r in range(self.comm.world_size)}
@@ -256,24 +292,33 @@ class Watchdog(CollectiveObserver):
                 abort = read(store, "abort")
             except (dist.DistError, OSError) as error:
                 self.report = report.store_lost(self.comm.rank, error)
+                log(self.comm.rank, self.report)
                 return
             if abort is not None:
-                self.report = abort["report"]
-                store.add("acks", 1)
+                self._learn(store, abort)
                 return
             time.sleep(0.05)
 
 
-def main_thread_location() -> str | None:
-    """``path:line in function`` of the innermost frame of the main thread outside torch, Lightning and
-    this package (the user's code), else the innermost frame."""
+def sample_main_thread() -> tuple[bool, str | None]:
+    """(blocked, where): whether the main thread's innermost frame is waiting in a collective (shardlab's
+    collectives, torch.distributed, or the strict check's store wait), and ``path:line in function`` of its
+    innermost frame in user code (outside torch, Lightning and this package)."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
-        return None
+        return False, None
     frames = traceback.StackSummary.extract(traceback.walk_stack(frame), lookup_lines=False)
+    inner = frames[0] if frames else None
+    blocked = inner is not None and (inner.filename.endswith(_WAITING_FILES) or
+                                     (inner.filename.endswith("sanity.py") and inner.name == "_wait"))
     package = os.path.dirname(__file__)
     user = [f for f in frames if "site-packages" not in f.filename and not f.filename.startswith(package)
             and "/lib/python" not in f.filename]
     f = (user or list(frames) or [None])[0]
-    return None if f is None else f"{f.filename}:{f.lineno} in {f.name}"
+    return blocked, None if f is None else f"{f.filename}:{f.lineno} in {f.name}"
 
+
+_WAITING_FILES = tuple(os.path.join(*parts) for parts in (
+    ("lightning_shardlab", "collectives.py"), ("lightning_shardlab", "transport.py"),
+    ("torch", "distributed", "distributed_c10d.py"), ("torch", "distributed", "c10d_logger.py"),
+))

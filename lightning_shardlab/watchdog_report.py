@@ -1,8 +1,9 @@
 """The watchdog's reports: the cause, what every rank was doing, and which rank is missing.
 
 A rank's state is the heartbeat it last published (watchdog.py): ``state`` (running, failed, stopped),
-``issued`` (collectives it has announced), ``inflight`` (the fingerprint of its oldest collective in
-flight) and ``waiting_s``, ``last`` (the last one finished) and ``idle_s``, ``where`` (its main thread's
+``issued`` (collectives it has announced), ``blocked`` (its main thread waits in a collective) and
+``waiting_s`` (for how long, with no progress), ``inflight`` (its oldest collective launched and not yet
+waited for), ``last`` (the last one finished) and ``idle_s`` (since then), ``where`` (its main thread's
 innermost frame in user code), ``host`` and ``pid``.
 """
 
@@ -38,10 +39,15 @@ def state_line(rank: int, s: dict[str, Any] | None) -> str:
         return f"rank {rank}: failed with {s.get('error', 'an error')}"
     if s["state"] == "stopped":
         return f"rank {rank}: finished its run (stopped watching)"
-    if s["inflight"] is not None:
-        return f"rank {rank}: waiting {s['waiting_s']:.1f} s in collective {describe(_fp(s['inflight']))}{at}"
+    if s["blocked"]:
+        return f"rank {rank}: waiting {s['waiting_s']:.1f} s in collective {_waited(s)}{at}"
+    launched = f"; launched, not yet waited for: {describe(_fp(s['inflight']))}" if s["inflight"] else ""
     return (f"rank {rank}: running outside any collective for {s['idle_s']:.1f} s (last finished:"
-            f" {describe(_fp(s['last']))}){at}")
+            f" {describe(_fp(s['last']))}{launched}){at}")
+
+
+def _waited(s: dict[str, Any]) -> str:
+    return describe(_fp(s["inflight"])) if s["inflight"] else "issued outside shardlab's Comm"
 
 
 def ranks_block(states: States) -> str:
@@ -62,12 +68,12 @@ def missing_rank(rank: int, s: dict[str, Any] | None, seq: int) -> str | None:
     if s is None or s["state"] != "running":
         return state_line(rank, s)
     inflight = _fp(s["inflight"])
-    if inflight is not None and inflight[0] == seq:
+    if s["blocked"] and inflight is not None and inflight[0] == seq:
         return None
-    if inflight is not None:
-        return (f"rank {rank} is waiting in another collective, {describe(inflight)}: the ranks issued different"
-                " collectives (one skipped or added one)")
     at = f" at {s['where']}" if s.get("where") else ""
+    if s["blocked"]:
+        return (f"rank {rank} is waiting in another collective, {_waited(s)}{at}: the ranks issued different"
+                " collectives (one skipped or added one)")
     if s["issued"] <= seq:
         return (f"rank {rank} never reached collective #{seq}: it has been running outside any collective for"
                 f" {s['idle_s']:.1f} s{at} (its last: {describe(_fp(s['last']))})")
@@ -75,7 +81,13 @@ def missing_rank(rank: int, s: dict[str, Any] | None, seq: int) -> str | None:
             " issued different collectives (one skipped or added one)")
 
 
-def hang(rank: int, fingerprint: tuple, timeout_s: float, states: States) -> str:
+def hang(rank: int, fingerprint: tuple | None, timeout_s: float, states: States) -> str:
+    """``fingerprint``: this rank's oldest collective not yet finished (None: it waits in one issued outside
+    shardlab's Comm, so the others cannot be compared by sequence number)."""
+    if fingerprint is None:
+        return (f"{HEADER}\ncause: rank {rank} waited more than collective_timeout_s={timeout_s:g} s in a collective"
+                f" issued outside shardlab's Comm\n{ranks_block(states)}\nHINT: every rank must reach that"
+                " collective (user code or a Lightning hook that runs on some ranks only?).")
     seq = fingerprint[0]
     missing = {r: why for r, s in states.items() if r != rank and (why := missing_rank(r, s, seq)) is not None}
     if missing:

@@ -58,7 +58,8 @@ def budget_run(world_size: int, stage: int, out: str) -> dict:
     data = token_dataset(6 * 2 * world_size, vocab=61, block_size=8)
     counts = IndependentCounts(exclude=list(data.tensors))
     budget = ShardLabBudget()  # it logs through its own collective: counted separately, under "budget"
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardLabStrategy(stage=stage, transport="builtin"), max_steps=6,
+    strategy = ShardLabStrategy(stage=stage, transport="builtin", sanity_every_n_steps=0)  # parameter traffic only
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=6,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, default_root_dir=out, callbacks=[counts, budget],
                         limit_val_batches=0)

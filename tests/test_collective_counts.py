@@ -85,7 +85,8 @@ def count_with_accumulation(stage: int, accumulation: str, optimizer_steps: int 
     torch.manual_seed(0)
     callback = CountDuringTraining()
     world = int(os.environ["WORLD_SIZE"])
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardLabStrategy(stage=stage, accumulation=accumulation, transport="builtin"),
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardLabStrategy(stage=stage, accumulation=accumulation, transport="builtin",
+                                                      sanity_every_n_steps=0),  # parameter traffic only
                         max_steps=optimizer_steps, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         callbacks=[callback])

@@ -1,0 +1,167 @@
+"""Vital signs per rank: logged per rank to the Trainer's logger, a dashboard that marks the odd rank, and
+numbers that equal an independent computation (the global gradient norm, the update ratio)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_shardlab import ShardLabStrategy
+from lightning_shardlab.dashboard import VitalsHistory, find_outliers, write_dashboard
+from lightning_shardlab.vitals import ShardLabVitals
+from tests.launch import run_ranks
+from tests.models import OrderedData, TinyGPT, token_dataset
+from tests.test_trainer import QUIET
+
+LOUD_FROM = 10  # from this step on, rank 1's embeddings are 30 times too large
+
+
+class LoudGPT(TinyGPT):
+    """Rank 1 feeds its blocks activations 30x too large from step 10 on; records the strategy's global norm."""
+
+    def __init__(self) -> None:
+        super().__init__(n_layer=2)
+        self.global_norms: list[float] = []
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))  # (b, t, c)
+        if self.global_rank == 1 and self.global_step >= LOUD_FROM:
+            x = 30 * x
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.global_norms.append(float(self.trainer.strategy.grad_norm(2.0)))
+
+
+def vitals_fit(out: str, steps: int = 20) -> dict:
+    torch.manual_seed(0)
+    vitals = ShardLabVitals(dashboard_dir=str(Path(out) / "dashboard"))
+    model = LoudGPT()
+    quiet = {k: v for k, v in QUIET.items() if k != "logger"}
+    trainer = L.Trainer(accelerator="cpu", devices=3, strategy=ShardLabStrategy(stage=3), max_steps=steps,
+                        callbacks=[vitals], logger=CSVLogger(out, name="csv"), **quiet)
+    trainer.fit(model, OrderedData(token_dataset(steps * 2 * 3), 2))
+    return {"global_norms": model.global_norms, "paths": {k: str(v) for k, v in vitals.paths.items()},
+            "signals": vitals.signals}
+
+
+@pytest.fixture(scope="module")
+def vitals_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    out = tmp_path_factory.mktemp("vitals")
+    return run_ranks("tests.test_vitals:vitals_fit", 3, {"out": str(out)}, timeout=180), out
+
+
+def _metrics(out: Path) -> list[dict]:
+    (path,) = out.glob("csv/version_*/metrics.csv")
+    with path.open() as f:
+        return [row for row in csv.DictReader(f) if row.get("vitals/loss/rank0")]
+
+
+def test_every_rank_is_logged_to_the_trainers_logger(vitals_run: tuple[list[dict], Path]) -> None:
+    reports, out = vitals_run
+    rows = _metrics(out)
+    assert len(rows) == 20
+    signals = reports[0]["signals"]
+    assert {"loss", "grad_norm_local", "act_std/blocks.0", "update_ratio/blocks.1", "act_mean/root"} <= set(signals)
+    for signal in signals:
+        for rank in range(3):
+            assert f"vitals/{signal}/rank{rank}" in rows[-1], (signal, rank)
+    losses = {rank: float(rows[-1][f"vitals/loss/rank{rank}"]) for rank in range(3)}
+    assert len(set(losses.values())) == 3  # each rank's own loss, not an average
+
+
+def test_global_grad_norm_equals_the_strategys(vitals_run: tuple[list[dict], Path]) -> None:
+    reports, out = vitals_run
+    logged = [float(row["vitals/grad_norm"]) for row in _metrics(out)]
+    assert logged == pytest.approx(reports[0]["global_norms"], rel=1e-5)
+    for row in _metrics(out):  # global^2 = sum of the local parts^2
+        parts = [float(row[f"vitals/grad_norm_local/rank{r}"]) for r in range(3)]
+        assert math.sqrt(sum(p * p for p in parts)) == pytest.approx(float(row["vitals/grad_norm"]), rel=1e-6)
+
+
+def test_dashboard_marks_the_rank_with_loud_activations(vitals_run: tuple[list[dict], Path]) -> None:
+    reports, _ = vitals_run
+    paths = {k: Path(v) for k, v in reports[0]["paths"].items()}
+    assert all(not r["paths"] for r in reports[1:])  # rank 0 writes it
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = paths["html"].read_text()
+    assert "data:image/png;base64," in page and "<h2>Outliers" in page
+    data = json.loads(paths["json"].read_text())
+    for unit in ("blocks.0", "blocks.1"):
+        for kind in ("act_std", "act_absmax"):
+            flagged = [(o["rank"], o["step"]) for o in data["outliers"] if o["signal"] == f"{kind}/{unit}"]
+            assert flagged == [(1, step) for step in range(LOUD_FROM, 20)], (kind, unit, flagged)
+
+
+# ---- without communication: the update ratio, and the outlier rule ----
+
+class TwoLayers(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.expected: list[dict[str, float]] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # plain SGD: the update is -lr * g, so |Δw| / |w| = lr |g| / |w| per child
+        ratio = {}
+        for name in ("a", "b"):
+            params = list(getattr(self, name).parameters())
+            g = math.sqrt(sum(float(p.grad.norm() ** 2) for p in params))
+            w = math.sqrt(sum(float(p.detach().norm() ** 2) for p in params))
+            ratio[name] = 0.1 * g / w
+        self.expected.append(ratio)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_update_ratio_is_lr_grad_over_weight_for_sgd(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, vitals = TwoLayers(), ShardLabVitals(dashboard_dir=str(tmp_path))
+    data = TensorDataset(torch.randn(12, 4), torch.randn(12, 2))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[vitals], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(data, batch_size=2))
+    history = np.stack(vitals.rows)[:, 0]  # (steps, signals) of the one rank
+    for name in ("a", "b"):
+        logged = history[:, vitals.signals.index(f"update_ratio/{name}")]
+        assert logged == pytest.approx([e[name] for e in model.expected], rel=1e-5)
+
+
+def _history(values: np.ndarray, signal: str = "loss") -> VitalsHistory:
+    return VitalsHistory(list(range(values.shape[0])), [signal], values[:, :, None])
+
+
+def test_outliers_name_the_odd_rank_and_a_nan() -> None:
+    rng = np.random.default_rng(0)
+    loss = 2.0 + 0.05 * rng.standard_normal((30, 4))
+    loss[12, 2] = 3.5  # one spike on rank 2
+    loss[20, 3] = math.nan  # a NaN loss on rank 3
+    assert [(o.rank, o.step) for o in find_outliers(_history(loss))] == [(2, 12), (3, 20)]
+    assert find_outliers(_history(2.0 + 0.05 * rng.standard_normal((30, 4)))) == []
+
+
+def test_an_empty_shards_missing_update_ratio_is_not_an_outlier(tmp_path: Path) -> None:
+    ratio = np.full((10, 3), 1e-3)
+    ratio[:, 2] = math.nan  # rank 2 holds only padding of this unit
+    history = _history(ratio, "update_ratio/gates.0")
+    assert find_outliers(history) == []
+    paths = write_dashboard(history, tmp_path)
+    assert paths["png"].exists() and json.loads(paths["json"].read_text())["outliers"] == []
