@@ -6,7 +6,9 @@
 
 Peers, all on 2 CPU ranks with one thread each (gloo), fp32 AdamW, the same model, data and init:
 Lightning's ``ddp``, torch's own FSDP2 (``fully_shard`` on every block and the root, in a plain torch
-loop), and a single process (one rank's batch, no communication). Each repeat runs every variant once,
+loop), and a single process (one rank's batch, no communication). ``shardlab_stage_3_coalesced`` is stage 3
+with ``min_unit_params=1e6``: small blocks join the root unit, so a tiny model moves one message each way
+per step. Each repeat runs every variant once,
 in turn, in fresh processes; a sample is the median of the timed steps after warm-up. We report the
 median and min-max over repeats, the ratios against the peers, peak memory per rank, and bytes moved
 per step against theory. Results go to benchmarks/RESULTS.md and benchmarks/results.png.
@@ -34,7 +36,11 @@ SETTINGS = {
     "default": {"vocab_size": 8192, "n_layer": 6, "n_embd": 384, "n_head": 6, "block_size": 128, "batch": 8},
     "tiny": {"vocab_size": 256, "n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 128, "batch": 8},
 }
-VARIANTS = ("single", "ddp", "fsdp2", "shardlab_stage_1", "shardlab_stage_2", "shardlab_stage_3")
+VARIANTS = ("single", "ddp", "fsdp2", "shardlab_stage_1", "shardlab_stage_2", "shardlab_stage_3",
+            "shardlab_stage_3_coalesced")
+# stage 3 with blocks under 1M parameters joining the root unit: one all-gather and one reduce-scatter per
+# step instead of one per block; the same as plain stage 3 where blocks are larger (the default setting)
+COALESCED_MIN_UNIT_PARAMS = 1_000_000
 
 
 def _model(setting: dict):  # noqa: ANN202
@@ -64,7 +70,10 @@ def run_lightning(variant: str, setting_name: str, warmup: int, steps: int) -> d
 
     setting = SETTINGS[setting_name]
     world = int(os.environ["WORLD_SIZE"])
-    strategy = ShardLabStrategy(stage=int(variant[-1])) if variant.startswith("shardlab") else variant
+    strategy = variant
+    if variant.startswith("shardlab"):
+        min_unit_params = COALESCED_MIN_UNIT_PARAMS if variant.endswith("coalesced") else 0
+        strategy = ShardLabStrategy(stage=int(variant.split("_")[2]), min_unit_params=min_unit_params)
     if variant == "single":
         strategy = "auto"
     times: list[float] = []
@@ -152,7 +161,7 @@ def sample(variant: str, setting: str, warmup: int, steps: int) -> dict:
 def theory_bytes(variant: str, params: int) -> float | None:
     """Full-tensor bytes per step, fp32: stages 1-2 move 2 x 4P (reduce-scatter + all-gather), stage 3 3 x 4P."""
     if variant.startswith("shardlab_stage_"):
-        return (3 if variant.endswith("3") else 2) * 4 * params
+        return (3 if variant.startswith("shardlab_stage_3") else 2) * 4 * params
     if variant == "fsdp2":
         return 3 * 4 * params
     return None

@@ -115,19 +115,23 @@ def predict_traffic(
     units: dict[str, list[FlatParamLayout]], stage: Stage, policy: PrecisionPolicy,
     micro_batches: int = 1, reduce_every_micro_batch: bool = True, reshard_after_forward: bool = True,
 ) -> Traffic:
-    """Stage 3: all-gather each unit before forward and again before backward (the root once per
-    micro-batch), reduce-scatter its gradient. Stages 1-2: reduce-scatter, then all-gather the updated
-    shards after the step. Counts the full tensor of each call, the size torch's collectives are given."""
+    """Per optimizer step, in the steady state. Stage 3: all-gather each unit before forward and again
+    before backward (the root, and the unit that runs forward last, once per micro-batch), reduce-scatter
+    its gradient. Stages 1-2: reduce-scatter, then all-gather the updated shards after the step. Counts
+    the full tensor of each call, the size torch's collectives are given."""
     ag_calls = ag_bytes = rs_calls = rs_bytes = 0
     reductions = micro_batches if reduce_every_micro_batch else 1
+    last = [name for name in units if name != "root"][-1:] or [None]  # forward order taken as the units' order
+    last = last[0]
     for name, lays in units.items():
         for lay in lays:
             if lay.world_size == 1:
                 continue
             compute = policy.compute_for(lay.dtype)
             reduce = policy.reduce_dtype or lay.dtype
-            if stage is Stage.PARAMETERS:
-                gathers = micro_batches * (1 if name == "root" or not reshard_after_forward else 2)
+            if stage is Stage.PARAMETERS:  # the last unit stays gathered from its forward to its backward
+                once = name == "root" or not reshard_after_forward or name == last
+                gathers = micro_batches * (1 if once else 2)
             else:
                 gathers = 1 if lay.requires_grad else 0
             ag_calls += gathers

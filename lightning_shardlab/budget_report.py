@@ -4,7 +4,8 @@ Each step it measures this rank's memory by category from the real tensors (ledg
 the peak of gathered units, and what the collectives recorded (calls, bytes, seconds waiting, and
 their share of the step). Every ``log_every_n_steps`` the ranks' figures go to Lightning's logger
 (``shardlab/rank{r}/...``). When ``fit`` ends it prints the tables, each measured figure beside what
-budget.py predicts from the layout, and writes ``shardlab_budget.json`` beside the logs.
+budget.py predicts from the layout, and writes ``shardlab_budget.json`` beside the logs. Per-step
+communication is the steady state: the first optimizer step is a warm-up and left out.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class ShardLabBudget(L.Callback):
         self._started = 0.0
         self._comm_before = (0.0, 0.0)
         self._first_step = 0
+        self._warmed_up = False
         self._val_start: dict = {}
         self.validation: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])  # not training
 
@@ -63,6 +65,7 @@ class ShardLabBudget(L.Callback):
         if sharded is not None:
             sharded.comm.ledger.reset()  # training traffic only, not setup
         self._first_step = trainer.global_step
+        self._warmed_up = False
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         sharded = getattr(trainer.strategy, "sharded", None)
@@ -110,6 +113,17 @@ class ShardLabBudget(L.Callback):
                      "comm_bytes": nbytes - self._comm_before[0], "comm_seconds": comm_seconds - self._comm_before[1]}
         if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
             self._log(trainer, sharded)
+        if trainer.global_step == self._first_step + 1 and not self._warmed_up:
+            self._warm_up_done(trainer, ledger)
+
+    def _warm_up_done(self, trainer: L.Trainer, ledger: Any) -> None:
+        """The per-step figures describe the steady state: the first optimizer step (no forward order yet
+        to prefetch by) is left out."""
+        self._warmed_up = True
+        ledger.reset()
+        self.validation.clear()
+        self.step_seconds = 0.0
+        self._first_step = trainer.global_step
 
     def _log(self, trainer: L.Trainer, sharded: Any) -> None:
         """One small all-gather: every rank's figures, logged by rank 0 as shardlab/rank{r}/..."""

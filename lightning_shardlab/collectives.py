@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_shardlab.labels import phase
 from lightning_shardlab.ledger import Ledger
 from lightning_shardlab.transport import TRANSPORTS, Builtin, time_transports
 
@@ -79,6 +80,8 @@ class Comm:
         return Comm(rank=0, world_size=1, device=torch.device("cpu"))
 
     def start(self, kind: str, label: str, tensor: Tensor | None) -> CollectiveCall:
+        """A call is launched: it counts now, with the bytes of its full tensor (its seconds at ``finish``)."""
+        self.ledger.record_launch(kind, label, 0 if tensor is None else tensor.numel() * tensor.element_size())
         call = CollectiveCall(self.seq, kind, label, 0 if tensor is None else tensor.numel(),
                               "object" if tensor is None else str(tensor.dtype).removeprefix("torch."))
         self.seq += 1
@@ -86,8 +89,8 @@ class Comm:
             observer.started(call)
         return call
 
-    def finish(self, call: CollectiveCall, nbytes: int, seconds: float) -> None:
-        self.ledger.record_collective(call.kind, call.label, nbytes, seconds)
+    def finish(self, call: CollectiveCall, seconds: float) -> None:
+        self.ledger.record_seconds(call.kind, call.label, seconds)
         for observer in self.observers:
             observer.finished(call, seconds)
 
@@ -127,14 +130,13 @@ def _run(
 
     ``launch`` returns a work, or ``(works, finish)`` from a transport; ``finish`` runs after them."""
     call = comm.start(kind, label, full)
-    nbytes = full.numel() * full.element_size()
-    with torch.profiler.record_function(f"shardlab::{kind} ({label})"):
+    with phase(kind, label):
         started = time.perf_counter()
         launched = launch()
         works, first = launched if isinstance(launched, tuple) else ([launched], None)
         steps = [f for f in (first, finish) if f is not None]
         pending = Pending(works, (lambda: [f() for f in steps]) if steps else None,
-                          lambda seconds: comm.finish(call, nbytes, seconds), time.perf_counter() - started)
+                          lambda seconds: comm.finish(call, seconds), time.perf_counter() - started)
     if not async_op:
         pending.wait()
     return pending
@@ -220,7 +222,7 @@ def all_gather_object(obj: Any, comm: Comm, label: str = "") -> list[Any]:
     call = comm.start("all_gather_object", label, None)
     started = time.perf_counter()
     dist.all_gather_object(out, obj, group=comm.group)
-    comm.finish(call, 0, time.perf_counter() - started)
+    comm.finish(call, time.perf_counter() - started)
     return out
 
 
@@ -229,7 +231,7 @@ def barrier(comm: Comm, label: str = "") -> None:
         call = comm.start("barrier", label, None)
         started = time.perf_counter()
         dist.barrier(group=comm.group)
-        comm.finish(call, 0, time.perf_counter() - started)
+        comm.finish(call, time.perf_counter() - started)
 
 
 def broadcast_object(obj: Any, comm: Comm, src: int = 0) -> Any:
@@ -240,7 +242,7 @@ def broadcast_object(obj: Any, comm: Comm, src: int = 0) -> Any:
     call = comm.start("broadcast_object", "", None)
     started = time.perf_counter()
     dist.broadcast_object_list(box, src=src, group=comm.group)
-    comm.finish(call, 0, time.perf_counter() - started)
+    comm.finish(call, time.perf_counter() - started)
     return box[0]
 
 

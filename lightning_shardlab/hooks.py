@@ -21,6 +21,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils import _pytree as pytree
 
+from lightning_shardlab.labels import phase
 from lightning_shardlab.unit import Unit
 
 
@@ -84,7 +85,7 @@ def hook_pre_backward(events: Events, unit: Unit, tensors: Any) -> None:
 def _pre_forward(events: Events, unit: Unit, module: Any, args: tuple, kwargs: dict) -> Any:
     if unit.in_backward:  # forward recomputed inside backward (activation checkpointing): already gathered
         return None
-    with torch.profiler.record_function(f"shardlab::pre_forward ({unit.name})"):
+    with phase("pre_forward", unit.name):
         events.pre_forward(unit)
     if unit.is_root or not (torch.is_grad_enabled() and unit.grad_flat_params):
         return None  # the root's post-backward runs at the end of backward: its params serve the whole step
@@ -101,7 +102,7 @@ def _pre_forward(events: Events, unit: Unit, module: Any, args: tuple, kwargs: d
 def _post_forward(events: Events, unit: Unit, module: Any, args: tuple, output: Any) -> None:
     if unit.in_backward:
         return
-    with torch.profiler.record_function(f"shardlab::post_forward ({unit.name})"):
+    with phase("post_forward", unit.name):
         if events.reshard_after_forward(unit):
             unit.reshard()
     if torch.is_grad_enabled():

@@ -26,15 +26,15 @@ class CollectiveTotals:
     bytes: int = 0  # the size of the full (gathered / reduced) tensor of each call
     seconds: float = 0.0  # this rank blocked on it: launching, and waiting (what compute did not hide)
 
-    def add(self, nbytes: int, seconds: float) -> None:
+    def add(self, nbytes: int) -> None:
         self.count += 1
         self.bytes += nbytes
-        self.seconds += seconds
 
 
 @dataclass
 class Ledger:
-    """Collective traffic by kind and by (kind, label), since the last ``reset()``."""
+    """Collective traffic by kind and by (kind, label), since the last ``reset()``. A call counts (and its
+    bytes) when it is launched; its seconds when it is waited for, which may be later (async)."""
 
     by_kind: dict[str, CollectiveTotals] = field(default_factory=lambda: defaultdict(CollectiveTotals))
     by_label: dict[tuple[str, str], CollectiveTotals] = field(default_factory=lambda: defaultdict(CollectiveTotals))
@@ -49,9 +49,13 @@ class Ledger:
     def reset_peak(self) -> None:
         self.gathered_peak = self.gathered_bytes
 
-    def record_collective(self, kind: str, label: str, nbytes: int, seconds: float) -> None:
-        self.by_kind[kind].add(nbytes, seconds)
-        self.by_label[(kind, label)].add(nbytes, seconds)
+    def record_launch(self, kind: str, label: str, nbytes: int) -> None:
+        self.by_kind[kind].add(nbytes)
+        self.by_label[(kind, label)].add(nbytes)
+
+    def record_seconds(self, kind: str, label: str, seconds: float) -> None:
+        self.by_kind[kind].seconds += seconds
+        self.by_label[(kind, label)].seconds += seconds
 
     def snapshot(self) -> dict[tuple[str, str], tuple[int, int, float]]:
         """(count, bytes, seconds) by (kind, label), to subtract a stretch (e.g. validation) later."""

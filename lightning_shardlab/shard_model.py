@@ -20,6 +20,7 @@ from lightning_shardlab import collectives, gradients, hooks
 from lightning_shardlab.collectives import Comm
 from lightning_shardlab.config import PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.flat_param import FlatParam, FlatParamLayout
+from lightning_shardlab.labels import phase
 from lightning_shardlab.materialize import has_meta, materialize
 from lightning_shardlab.policy import ParamUse, choose_unit_paths, group_flat_params, owning_unit, param_uses
 from lightning_shardlab.unit import Registration, Unit
@@ -73,7 +74,11 @@ class ShardedModel:
     def reshard_after_forward(self, unit: Unit) -> bool:
         if unit.is_root:
             return not torch.is_grad_enabled() and not self._root_held
-        return not torch.is_grad_enabled() or self.config.reshard_after_forward
+        if not torch.is_grad_enabled():
+            return True
+        # the unit that ran forward last (last step) is the first backward needs: keep it gathered
+        last = self._last_order[-1] if self._last_order else None
+        return self.config.reshard_after_forward and unit is not last
 
     def pre_forward(self, unit: Unit) -> None:
         """Gather ``unit`` (its prefetch may be in flight already) and prefetch the unit that ran after it
@@ -86,7 +91,7 @@ class ShardedModel:
 
     def pre_backward(self, unit: Unit) -> None:
         self._end_of_backward.queue()
-        with torch.profiler.record_function(f"shardlab::pre_backward ({unit.name})"):
+        with phase("pre_backward", unit.name):
             unit.unshard()
             if not unit.is_root:
                 self._prefetch_after(unit, self._order[::-1])  # backward runs the forward order backwards
@@ -108,7 +113,7 @@ class ShardedModel:
         if not unit.in_backward:
             return
         unit.in_backward = False
-        with torch.profiler.record_function(f"shardlab::post_backward ({unit.name})"):
+        with phase("post_backward", unit.name):
             if unit.grad_flat_params:
                 unit.collect_usage()
                 if self._sync and self.config.stage >= Stage.GRADIENTS:

@@ -2,9 +2,10 @@
 
 Per flat parameter and step: stage 3 all-gathers a unit before its forward and again before its
 backward, and reduce-scatters its gradient once. The root unit is gathered once for the whole step
-(its parameters serve the whole step, as in torch's FSDP), so it has one all-gather. With
-reshard_after_forward=False every unit is gathered once. Stages 1 and 2 reduce-scatter once and
-all-gather the updated shards once after the optimizer step.
+(its parameters serve the whole step, as in torch's FSDP), so it has one all-gather; so has, from the
+second step on, the unit that ran forward last (it stays gathered for its backward, which comes
+next). With reshard_after_forward=False every unit is gathered once. Stages 1 and 2 reduce-scatter
+once and all-gather the updated shards once after the optimizer step.
 """
 
 from __future__ import annotations
@@ -56,12 +57,14 @@ def test_collectives_per_step(stage: int, reshard_after_forward: bool) -> None:
     for report in reports:
         root, other = report["flat_params"]["root"], report["flat_params"]["other"]
         assert (root, other) == (1, 4)  # OddNet: the root unit and four block/gate units, all fp32
-        if stage == 3:
-            gathers = root + (2 * other if reshard_after_forward else other)
-        else:
-            gathers = root + other  # once, after the optimizer step
-        for counts in report["per_step"]:
-            assert counts == {"all_gather_single": gathers, "reduce_scatter_single": root + other}
+        for step, counts in enumerate(report["per_step"]):
+            if stage == 3 and reshard_after_forward:
+                gathers = root + 2 * other - (1 if step > 0 else 0)  # the last unit: once, from step 2
+            elif stage == 3:
+                gathers = root + other
+            else:
+                gathers = root + other  # once, after the optimizer step
+            assert counts == {"all_gather_single": gathers, "reduce_scatter_single": root + other}, step
 
 
 def test_world_size_one_issues_no_collective() -> None:
@@ -108,7 +111,10 @@ def test_collectives_per_step_with_gradient_accumulation(stage: int, accumulatio
                        {"stage": stage, "accumulation": accumulation}, timeout=120)[0]
     root, other, micro = 1, 4, 2  # OddNet's flat parameters; micro-batches per step
     reductions = (root + other) * (micro if accumulation == "reduce" else 1)
-    gathers = micro * (root + 2 * other) if stage == 3 else root + other
     steps = report["steps"]
-    assert report["counts"] == {"reduce_scatter_single": reductions * steps, "all_gather_single": gathers * steps}
+    if stage == 3:  # every micro-batch but the first keeps its last unit gathered into backward
+        all_gathers = micro * steps * (root + 2 * other) - (micro * steps - 1)
+    else:
+        all_gathers = (root + other) * steps
+    assert report["counts"] == {"reduce_scatter_single": reductions * steps, "all_gather_single": all_gathers}
     assert report["lightning_broadcasts"] == micro * steps
