@@ -228,9 +228,44 @@ def write_report(samples: dict, args: argparse.Namespace, out: Path) -> None:
             lines[-1] += (f" {s['bytes'] / 1e6:.2f} MB |" if s["bytes"] else " - |")
             lines[-1] += (f" {theory / 1e6:.2f} MB ({s['bytes'] / theory:.3f}x) |" if theory and s["bytes"] else " - |")
         lines.append("")
+        lines += targets(setting, summary)
+    gpu = out / "GPU.md"
+    lines += ["## GPU", "", gpu.read_text().split("\n", 2)[2] if gpu.exists() else
+              "`python -m benchmarks.gpu` (world size 1 overhead, GPT-2 124M bf16-mixed MFU, ranks sharing a GPU) "
+              "writes `benchmarks/GPU.md`; it has not been run yet: no GPU was available.", ""]
     (out / "RESULTS.md").write_text("\n".join(lines) + "\n")
     plot(samples, out / "results.png")
     print("\n".join(lines))
+
+
+# the issue's targets: (setting, variant, peer, most allowed ratio of medians)
+TARGETS = (
+    ("default", "shardlab_stage_3", "fsdp2", 0.95), ("default", "shardlab_stage_3", "ddp", 1.03),
+    ("default", "shardlab_stage_1", "ddp", 1.00), ("default", "shardlab_stage_2", "ddp", 1.00),
+    ("tiny", "shardlab_stage_1", "ddp", 1.2), ("tiny", "shardlab_stage_2", "ddp", 1.2),
+    ("tiny", "shardlab_stage_3", "ddp", 1.2), ("tiny", "shardlab_stage_3_coalesced", "ddp", 1.2),
+)
+
+
+def targets(setting: str, summary: dict) -> list[str]:
+    """Each target of this setting against this run's medians, met or missed; memory and bytes too."""
+    rows = []
+    for where, variant, peer, most in TARGETS:
+        if where == setting and variant in summary and peer in summary:
+            ratio = summary[variant]["median"] / summary[peer]["median"]
+            rows.append(f"| {variant} / {peer} seconds per step | <= {most:.2f} | {ratio:.3f} | "
+                        f"{'met' if ratio <= most else 'missed'} |")
+    for variant, s in summary.items():
+        theory = theory_bytes(variant, s["params"])
+        if theory and s["bytes"]:
+            rows.append(f"| {variant} bytes per step / theory | <= 1.02 | {s['bytes'] / theory:.3f} | "
+                        f"{'met' if s['bytes'] / theory <= 1.02 else 'missed'} |")
+        if variant.startswith("shardlab") and "fsdp2" in summary:
+            ratio = s["peak_rss"] / summary["fsdp2"]["peak_rss"]
+            rows.append(f"| {variant} peak RSS / fsdp2's | <= 1.00 | {ratio:.3f} | {'met' if ratio <= 1 else 'missed'} |")
+    if not rows:
+        return []
+    return [f"Targets ({setting}):", "", "| target | allowed | this run | |", "| --- | --- | --- | --- |", *rows, ""]
 
 
 def plot(samples: dict, png: Path) -> None:

@@ -1,0 +1,141 @@
+"""The GPU checks, as one prepared script for a machine with a CUDA device (about 6 minutes on one GPU).
+
+    python -m benchmarks.gpu --out DIR           # writes DIR/gpu.json and DIR/GPU.md
+    python -m benchmarks.gpu --device cpu --size tiny --steps 3 --warmup 1   # the same code, a dry run on CPU
+
+1. World size 1 overhead: steps per second of the example GPT under plain Lightning (``strategy="auto"``)
+   and under ``ShardLabStrategy`` on one device, interleaved; target >= 0.98x.
+2. Model FLOPs utilisation: GPT-2 small shapes (124M parameters, 1024 tokens) with ``bf16-mixed`` under
+   shardlab on one GPU; MFU = 6 N + 12 L T d flops per token (nanoGPT's estimate, N without the position
+   embedding) times tokens per second, over the device's dense bf16 peak (``--peak-tflops``, default the
+   H200's 989); target >= 30%.
+3. Two ranks sharing the GPU (gloo) and one rank on it: the ``gpu``-marked tests (stage 3 parity).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SIZES = {  # GPT-2 small's shapes; tiny for a dry run on CPU
+    "gpt2": {"vocab_size": 50304, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768, "batch": 8},
+    "tiny": {"vocab_size": 256, "block_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 64, "batch": 4},
+}
+
+
+def flops_per_token(n_params: int, size: dict) -> int:
+    """Forward and backward: 6 per parameter per token, plus attention's 12 L T d (nanoGPT, PaLM appendix B)."""
+    return 6 * n_params + 12 * size["n_layer"] * size["block_size"] * size["n_embd"]
+
+
+def timed_fit(strategy: str, size: dict, device: str, precision: str, warmup: int, steps: int) -> dict:
+    """Seconds per step of one fit of the example GPT on one device, after ``warmup`` steps."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_shardlab import ShardLabStrategy
+    from lightning_shardlab.examples.gpt import GPT
+
+    times: list[float] = []
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, *args) -> None:  # noqa: ANN002
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, *args) -> None:  # noqa: ANN002
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t)
+
+    torch.manual_seed(0)
+    keys = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+    model = GPT(**{k: size[k] for k in keys}, lr=1e-4, warmup_steps=0)
+    tokens = torch.randint(0, size["vocab_size"], ((warmup + steps) * size["batch"], size["block_size"] + 1))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=size["batch"])
+    trainer = L.Trainer(accelerator=device, devices=1, precision=precision, max_steps=warmup + steps,
+                        strategy=ShardLabStrategy() if strategy == "shardlab" else "auto", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Clock()])
+    trainer.fit(model, loader)
+    n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    return {"seconds": statistics.median(times[warmup:]), "params": n_params}
+
+
+def overhead(size: dict, device: str, precision: str, warmup: int, steps: int, repeats: int) -> dict:
+    runs = {"auto": [], "shardlab": []}
+    for _ in range(repeats):  # interleaved
+        for strategy in runs:
+            runs[strategy].append(timed_fit(strategy, size, device, precision, warmup, steps)["seconds"])
+    plain, ours = statistics.median(runs["auto"]), statistics.median(runs["shardlab"])
+    return {"plain_steps_per_s": 1 / plain, "shardlab_steps_per_s": 1 / ours, "ratio": plain / ours, "runs": runs}
+
+
+def mfu(size: dict, device: str, warmup: int, steps: int, peak_tflops: float) -> dict:
+    run = timed_fit("shardlab", size, device, "bf16-mixed", warmup, steps)
+    tokens_per_s = size["batch"] * size["block_size"] / run["seconds"]
+    achieved = flops_per_token(run["params"], size) * tokens_per_s
+    return {"params": run["params"], "tokens_per_s": tokens_per_s, "tflops": achieved / 1e12,
+            "mfu": achieved / (peak_tflops * 1e12)}
+
+
+def gpu_tests() -> dict:
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+                          capture_output=True, text=True)
+    return {"returncode": proc.returncode, "seconds": time.perf_counter() - started,
+            "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]}
+
+
+def report(results: dict, out: Path) -> str:
+    o, m = results["overhead"], results["mfu"]
+    lines = [
+        "# GPU checks", "", f"Command: `python -m benchmarks.gpu` on {results['device_name']}, torch {torch.__version__}.", "",
+        "| check | target | this run |", "| --- | --- | --- |",
+        f"| world size 1: shardlab / plain Lightning steps per second ({results['overhead_precision']}) | >= 0.98 "
+        f"| {o['ratio']:.3f} ({o['shardlab_steps_per_s']:.2f} vs {o['plain_steps_per_s']:.2f}) |",
+        f"| GPT-2 {m['params'] / 1e6:.0f}M bf16-mixed MFU (peak {results['peak_tflops']} TFLOP/s) | >= 30% "
+        f"| {100 * m['mfu']:.1f}% ({m['tflops']:.1f} TFLOP/s, {m['tokens_per_s']:.0f} tokens/s) |",
+    ]
+    if "tests" in results:
+        lines.append(f"| tests/test_gpu.py (2 ranks sharing the GPU, 1 rank) | pass | {results['tests']['summary']} |")
+    text = "\n".join(lines) + "\n"
+    (out / "GPU.md").write_text(text)
+    (out / "gpu.json").write_text(json.dumps(results, indent=1))
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--size", default="gpt2", choices=tuple(SIZES))
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmarks.gpu: no CUDA device here. HINT: run it on a GPU machine, or --device cpu for a dry run.")
+    size, out = SIZES[args.size], Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    precision = "bf16-mixed" if args.device == "cuda" else "32-true"
+    results = {"device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+               "peak_tflops": args.peak_tflops, "size": size, "overhead_precision": precision,
+               "overhead": overhead(size, args.device, precision, args.warmup, args.steps, args.repeats),
+               "mfu": mfu(size, args.device, args.warmup, args.steps, args.peak_tflops)}
+    if args.device == "cuda":
+        results["tests"] = gpu_tests()
+    print(report(results, out))
+
+
+if __name__ == "__main__":
+    main()
