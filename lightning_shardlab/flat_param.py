@@ -35,6 +35,7 @@ unit is re-gathered before its backward. Replacing ``full`` by a new tensor woul
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor, nn
@@ -48,7 +49,7 @@ class ParamSlot:
     shape: torch.Size
     offset: int  # first element in the full buffer
 
-    @property
+    @cached_property  # layouts never change: hooks ask for these sizes every step
     def numel(self) -> int:
         return self.shape.numel()
 
@@ -81,18 +82,18 @@ class FlatParamLayout:
             offset += torch.Size(shape).numel()
         return FlatParamLayout(unit, dtype, requires_grad, tuple(slots), world_size)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return sum(slot.numel for slot in self.slots)
 
-    @property
+    @cached_property
     def padded_numel(self) -> int:
         # Padding to a multiple of the world size makes every shard the same length, which the
         # all-gather and reduce-scatter require. At most world_size - 1 elements are padding.
         n = self.numel
         return n + (-n) % self.world_size
 
-    @property
+    @cached_property
     def shard_numel(self) -> int:
         return self.padded_numel // self.world_size
 

@@ -118,3 +118,29 @@ def test_collectives_per_step_with_gradient_accumulation(stage: int, accumulatio
         all_gathers = (root + other) * steps
     assert report["counts"] == {"reduce_scatter_single": reductions * steps, "all_gather_single": all_gathers}
     assert report["lightning_broadcasts"] == micro * steps
+
+
+def profiled_step() -> list[str]:
+    """One stage 3 step under torch's profiler: the names of shardlab's labelled phases it recorded."""
+    comm = init_from_env()
+    torch.manual_seed(0)
+    model = OddNet()
+    sharded = shard_model(model, ShardLabConfig(stage=3, transport="builtin"), comm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    shard_optimizer(optimizer, sharded)
+    (x, y), = regression_batches(1, 2 * comm.world_size)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with sharded.step(keep_root_gathered=True):
+            loss = F.mse_loss(model(x[:2]), y[:2])
+        sharded.prepare_backward(loss)
+        loss.backward()
+        optimizer.step()
+    shutdown()
+    return sorted({e.name for e in prof.events() if e.name.startswith("shardlab::")})
+
+
+def test_every_collective_and_phase_is_labelled_in_the_profiler() -> None:
+    names = run_ranks("tests.test_collective_counts:profiled_step", 2, {}, timeout=120)[0]
+    for label in ("all_gather (blocks.0[float32])", "reduce_scatter (blocks.0[float32])", "all_gather (root[float32])",
+                  "pre_backward (blocks.0)", "post_backward (blocks.0)"):
+        assert f"shardlab::{label}" in names, names
