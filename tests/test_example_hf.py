@@ -202,3 +202,10 @@ def test_gpu_finetune_config_parses(tmp_path: Path) -> None:
     for line in ("accelerator: gpu", "devices: auto", "strategy: shardlab", "precision: bf16-mixed",
                  "class_path: lightning_shardlab.ShardLabBudget", "class_path: lightning_shardlab.examples.gpt.GPT"):
         assert line in output, output[-3000:]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gpu_finetune_config_takes_another_stage_from_the_command_line(stage: int, tmp_path: Path) -> None:
+    output = shardlab("fit", "--config", str(CONFIGS / "gpt_finetune_gpu.yaml"),
+                      f"--trainer.strategy=shardlab_stage_{stage}", "--print_config", cwd=tmp_path)
+    assert f"strategy: shardlab_stage_{stage}" in output, output[-3000:]
