@@ -55,6 +55,7 @@ class ShardLabBudget(L.Callback):
         self._comm_before = (0.0, 0.0)
         self._first_step = 0
         self._warmed_up = False
+        self._warm_up: tuple[dict, float] = ({}, 0.0)
         self._val_start: dict = {}
         self.validation: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])  # not training
 
@@ -120,6 +121,7 @@ class ShardLabBudget(L.Callback):
         """The per-step figures describe the steady state: the first optimizer step (no forward order yet
         to prefetch by) is left out."""
         self._warmed_up = True
+        self._warm_up = (self._training_traffic(ledger), self.step_seconds)  # reported if no step follows
         ledger.reset()
         self.validation.clear()
         self.step_seconds = 0.0
@@ -154,13 +156,15 @@ class ShardLabBudget(L.Callback):
 
     def _report(self, trainer: L.Trainer, sharded: Any) -> dict[str, Any]:
         steps = max(trainer.global_step - self._first_step, 1)
+        training, step_seconds = self._training_traffic(sharded.comm.ledger), self.step_seconds
+        if self._warmed_up and trainer.global_step == self._first_step:  # the warm-up was the only step
+            training, step_seconds = self._warm_up
         layouts = [fp.layout for fp in sharded.flat_params]
         units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.units}
         optimizer = OptimizerShape.of(trainer.optimizers[0]) if trainer.optimizers else None
         micro = trainer.accumulate_grad_batches
         traffic = predict_traffic(units, sharded.config.stage, sharded.policy, micro,
                                   sharded.config.accumulation is Accumulation.REDUCE, sharded.config.reshard_after_forward)
-        training = self._training_traffic(sharded.comm.ledger)
         comm: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0.0, "bytes": 0.0, "seconds": 0.0})
         by_unit = {}
         for (kind, label), (count, nbytes, seconds) in training.items():
@@ -181,8 +185,8 @@ class ShardLabBudget(L.Callback):
             "process_peak_bytes": process_peak_bytes(sharded.comm.device),
             "comm_per_step": comm, "comm_per_step_by_unit": by_unit,
             "comm_predicted_per_step": vars(traffic),
-            "step_seconds": self.step_seconds / steps,
-            "comm_share_of_step": sum(c["seconds"] for c in comm.values()) / max(self.step_seconds / steps, 1e-12),
+            "step_seconds": step_seconds / steps,
+            "comm_share_of_step": sum(c["seconds"] for c in comm.values()) / max(step_seconds / steps, 1e-12),
         }
 
     def _print(self, everyone: list[dict[str, Any]], sharded: Any) -> None:

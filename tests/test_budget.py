@@ -56,13 +56,13 @@ class IndependentCounts(L.Callback):
             setattr(dist, name, fn)
 
 
-def budget_run(world_size: int, stage: int, out: str) -> dict:
+def budget_run(world_size: int, stage: int, out: str, steps: int = 6) -> dict:
     torch.manual_seed(0)
     data = token_dataset(6 * 2 * world_size, vocab=61, block_size=8)
     counts = IndependentCounts(exclude=list(data.tensors))
     budget = ShardLabBudget()  # it logs through its own collective: counted separately, under "budget"
     strategy = ShardLabStrategy(stage=stage, transport="builtin", sanity_every_n_steps=0)  # parameter traffic only
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=6,
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, default_root_dir=out, callbacks=[counts, budget],
                         limit_val_batches=0)
@@ -88,6 +88,17 @@ def test_ledger_equals_independent_counts_and_its_predictions(stage: int, tmp_pa
             assert report["comm_per_step"][kind]["bytes"] * steps == result["wrapped_bytes"][kind]
             assert report["comm_per_step"][kind]["bytes"] == report["comm_predicted_per_step"][f"{kind}_bytes"]
         assert 0 < report["comm_share_of_step"] < 1
+
+
+def test_a_single_step_run_reports_its_warm_up_step(tmp_path: Path) -> None:
+    """The steady state leaves the first step out; with no other step, that step is what is reported."""
+    report = run_ranks("tests.test_budget:budget_run", 2,
+                       {"world_size": 2, "stage": 3, "out": str(tmp_path), "steps": 1}, timeout=180)[0]["report"]
+    assert report["optimizer_steps"] == 1
+    predicted = report["comm_predicted_per_step"]
+    # no forward order yet: the unit that runs forward last is gathered again for its backward
+    assert report["comm_per_step"]["all_gather"]["calls"] == predicted["all_gather_calls"] + 1
+    assert report["comm_per_step"]["reduce_scatter"]["calls"] == predicted["reduce_scatter_calls"]
 
 
 def test_stage_3_moves_about_one_and_a_half_times_the_bytes_of_stages_1_and_2(tmp_path: Path) -> None:
