@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from lightning_shardlab import Comm, ShardLabConfig, shard_model, shard_optimizer
+from lightning_shardlab import collectives
 from lightning_shardlab.collectives import CollectiveObserver
 from lightning_shardlab.examples.gpt import GPT
 from lightning_shardlab.sanity_guard import SanityConfig, SanityGuard
@@ -103,7 +104,7 @@ def train_block(model: GPT, sharded, optimizer, batches: list, guard: SanityGuar
         if guard.watchdog is not None:  # the thread looks the method up on every poll
             guard.watchdog._check = account.timed(guard.watchdog._check, time.thread_time, "thread")
         account_refresh_waits(sharded, account)
-    dist.barrier()
+    collectives.barrier(sharded.comm, label="start of a timed block")
     start = time.perf_counter()
     for step, (x, y) in enumerate(batches):
         if guard is not None:
@@ -152,7 +153,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
                 guard = None if config(variant, args.every) is None else SanityGuard(sharded, [optimizer], config(variant, args.every))
                 with guard if guard is not None else nullcontext():
                     measured = torch.tensor(train_block(model, sharded, optimizer, batches, guard))
-                dist.all_reduce(measured, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+                collectives.all_reduce(measured, sharded.comm, op="max", label="timings")  # the slowest rank sets the pace
                 times[variant].append(float(measured[0]))
                 checks[variant].append(float(measured[1]))
                 moved[variant].append(float(measured[2]))

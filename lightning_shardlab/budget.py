@@ -121,8 +121,8 @@ def predict_traffic(
     the full tensor of each call, the size torch's collectives are given."""
     ag_calls = ag_bytes = rs_calls = rs_bytes = 0
     reductions = micro_batches if reduce_every_micro_batch else 1
-    last = [name for name in units if name != "root"][-1:] or [None]  # forward order taken as the units' order
-    last = last[0]
+    others = [name for name in units if name != "root"]
+    last = others[-1] if others else None  # the forward order taken as the units' order
     for name, lays in units.items():
         for lay in lays:
             if lay.world_size == 1:
