@@ -9,9 +9,10 @@ per repeat, on the same sharded model (a plain training loop: forward, backward,
     none          no checks
     fingerprints  the cheap collective check: every collective's fingerprint recorded, one 16-byte
                   all-gather every K steps
-    cheap (all)   every check at its default: fingerprints, replicated-state digests and the data check
-                  every K steps, the watchdog thread (1 s heartbeats through the store) and the SIGTERM
-                  agreement (one store read per step)
+    verified      every collective's header exchanged before it moves data (verify.py), nothing else
+    cheap (all)   every check at its default: verified collectives, fingerprints, replicated-state
+                  digests and the data check every K steps, the watchdog thread (1 s heartbeats through
+                  the store) and the SIGTERM agreement (one store read per step)
     strict        debug mode: the above plus a store exchange before every collective
 
 K = ``--every`` (default 10, the default of ``every_n_steps``).
@@ -44,15 +45,16 @@ from lightning_shardlab.sanity_guard import SanityConfig, SanityGuard
 
 FULL = dict(vocab_size=256, block_size=128, n_layer=8, n_head=6, n_embd=384)  # nanoGPT's shape: 14.3M parameters
 QUICK = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
-VARIANTS = ("none", "fingerprints", "cheap (all)", "strict")
+VARIANTS = ("none", "fingerprints", "verified", "cheap (all)", "strict")
 
 
 def config(variant: str, every: int) -> SanityConfig | None:
     if variant == "none":
         return None
-    if variant == "fingerprints":
-        return SanityConfig(every_n_steps=every, check_replicated=False, check_data=False, collective_timeout_s=None,
-                            handle_sigterm=False)
+    if variant in ("fingerprints", "verified"):
+        return SanityConfig(every_n_steps=every if variant == "fingerprints" else 0, check_replicated=False,
+                            check_data=False, collective_timeout_s=None, handle_sigterm=False,
+                            verify_collectives=variant == "verified")
     return SanityConfig(every_n_steps=every, strict_collectives=variant == "strict")
 
 
@@ -63,8 +65,6 @@ class Account:
     def __init__(self) -> None:
         self.main = 0.0  # main thread inside the checks
         self.thread = 0.0  # the watchdog thread's CPU
-        self.moved = 0.0  # inside the checks, waiting for the refresh all-gathers launched by the optimizer step
-        self.in_check = False
 
     def timed(self, fn, clock=time.perf_counter, field: str = "main"):  # noqa: ANN001, ANN201
         def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -81,36 +81,22 @@ class TimedObserver(CollectiveObserver):
         self.started, self.finished = account.timed(inner.started), account.timed(inner.finished)
 
 
-def account_refresh_waits(sharded, account: Account) -> None:  # noqa: ANN001
-    """Stages 1-2: the replicated-state check first waits for the all-gathers that refresh the full buffers
-    after the optimizer step; otherwise the next forward waits for them. Time that wait apart."""
-    for unit in sharded.units:
-        wait = unit.wait_gathers
-
-        def timed_wait(wait=wait) -> None:  # noqa: ANN001
-            start = time.perf_counter()
-            wait()
-            if account.in_check:
-                account.moved += time.perf_counter() - start
-
-        unit.wait_gathers = timed_wait
-
-
 def train_block(model: GPT, sharded, optimizer, batches: list, guard: SanityGuard | None) -> tuple[float, float, float]:  # noqa: ANN001
-    """(seconds per step, seconds of the checks per step, seconds of refresh waits moved into them), this rank."""
-    account, observers = Account(), list(sharded.comm.observers)
+    """(seconds per step, seconds of the checks per step, CPU seconds of the process per step), this rank."""
+    account, observers, wire = Account(), list(sharded.comm.observers), sharded.comm.wire
     if guard is not None:
         sharded.comm.observers[:] = [TimedObserver(o, account) for o in observers]
         if guard.watchdog is not None:  # the thread looks the method up on every poll
             guard.watchdog._check = account.timed(guard.watchdog._check, time.thread_time, "thread")
-        account_refresh_waits(sharded, account)
+        if wire is not None and guard.config.verify_collectives:
+            wire.headers.check = account.timed(wire.headers.check)  # an instance attribute: the class's stays
+    if guard is None or not guard.config.verify_collectives:
+        sharded.comm.wire = None  # verified collectives are on for the variants that ask for them only
     collectives.barrier(sharded.comm, label="start of a timed block")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for step, (x, y) in enumerate(batches):
         if guard is not None:
-            account.in_check = True
             account.timed(guard.before_step)(step, (x, y))
-            account.in_check = False
         optimizer.zero_grad()
         with sharded.step(keep_root_gathered=True):
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())  # (b*t, vocab), (b*t,)
@@ -119,12 +105,13 @@ def train_block(model: GPT, sharded, optimizer, batches: list, guard: SanityGuar
         optimizer.step()
         if guard is not None:
             account.timed(guard.stop_after)(step)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     sharded.comm.observers[:] = observers
-    for unit in sharded.units:
-        unit.__dict__.pop("wait_gathers", None)
+    if wire is not None:
+        wire.headers.__dict__.pop("check", None)
+        sharded.comm.wire = wire
     n = len(batches)
-    return seconds / n, (account.main + account.thread - account.moved) / n, account.moved / n
+    return seconds / n, (account.main + account.thread) / n, cpu / n
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, results: dict) -> None:
@@ -141,13 +128,14 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
         torch.manual_seed(0)
         model = GPT(**sizes)
         sharded = shard_model(model, ShardLabConfig(stage=stage), comm)
+        sharded.verify_collectives()  # the verified wire exists; each variant switches it on or off
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         shard_optimizer(optimizer, sharded)
         train_block(model, sharded, optimizer, batches[:2], None)  # warm-up
         variants = tuple(args.variants)
         times: dict[str, list[float]] = {v: [] for v in variants}
         checks: dict[str, list[float]] = {v: [] for v in variants}
-        moved: dict[str, list[float]] = {v: [] for v in variants}
+        cpus: dict[str, list[float]] = {v: [] for v in variants}
         for repeat in range(args.repeats):
             for variant in variants[repeat % len(variants):] + variants[: repeat % len(variants)]:
                 guard = None if config(variant, args.every) is None else SanityGuard(sharded, [optimizer], config(variant, args.every))
@@ -156,9 +144,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
                 collectives.all_reduce(measured, sharded.comm, op="max", label="timings")  # the slowest rank sets the pace
                 times[variant].append(float(measured[0]))
                 checks[variant].append(float(measured[1]))
-                moved[variant].append(float(measured[2]))
+                cpus[variant].append(float(measured[2]))
         out[stage] = {"params": sum(p.numel() for p in GPT(**sizes).parameters()), "times": times, "checks": checks,
-                      "moved": moved}
+                      "cpu": cpus}
     if rank == 0:
         results.update(out)
     dist.destroy_process_group()
@@ -179,14 +167,16 @@ def table(stage: int, entry: dict) -> str:
     base = entry["times"]["none"] if "none" in entry["times"] else None
     lines = [f"### stage {stage}\n",
              "| variant | step time, ms | checks' own time per step, ms | checks' time / baseline step |"
-             " refresh wait moved into the check, ms per step | A/B: step time / baseline - 1 |",
+             " A/B: step time / baseline - 1 | A/B: CPU time / baseline - 1 |",
              "| --- | --- | --- | --- | --- | --- |"]
+    cpu_base = entry["cpu"]["none"] if "none" in entry["cpu"] else None
     for variant, times in entry["times"].items():
-        own, moved = entry["checks"][variant], entry["moved"][variant]
-        share = "—" if base is None or variant == "none" else _range([c / min(base) for c in own], 100, "{:.2f} %")
-        ab = "—" if base is None or variant == "none" else _range([t / b - 1 for t, b in zip(times, base)], 100, "{:+.1f} %")
-        lines.append(f"| {variant} | {_range(times, 1000)} | {_range(own, 1000, '{:.2f}')} | {share} |"
-                     f" {_range(moved, 1000, '{:.2f}')} | {ab} |")
+        own, cpu = entry["checks"][variant], entry["cpu"][variant]
+        first = base is None or variant == "none"
+        share = "—" if first else _range([c / min(base) for c in own], 100, "{:.2f} %")
+        ab = "—" if first else _range([t / b - 1 for t, b in zip(times, base)], 100, "{:+.1f} %")
+        cab = "—" if first else _range([t / b - 1 for t, b in zip(cpu, cpu_base)], 100, "{:+.1f} %")
+        lines.append(f"| {variant} | {_range(times, 1000)} | {_range(own, 1000, '{:.2f}')} | {share} | {ab} | {cab} |")
     raw = "; ".join(f"{v}: " + ", ".join(f"{1000 * t:.0f}" for t in ts) for v, ts in entry["times"].items())
     return "\n".join(lines) + f"\n\nEach repeat's step time (ms), in order: {raw}.\n"
 
@@ -207,13 +197,13 @@ def report(results: dict, args: argparse.Namespace, seconds: float, load: tuple[
         "All figures: median (min to max) over repeats; per step, the slowest rank's. Two measures of the cost:\n",
         "- *checks' own time*, accounted directly (other processes' load barely moves it): the wall time the main"
         " thread spends inside the checks (collective observers, `before_step`, `stop_after`) plus the CPU time of"
-        " the watchdog thread, per step, and as a share of the fastest baseline step (the one least slowed by other jobs). A check's all-gather"
-        " also absorbs the wait for the slower rank, which the next collective would otherwise absorb, so this"
-        " errs high. At stages 1-2 the replicated-state check first waits for the all-gathers that refresh the"
-        " full buffers after the optimizer step (it hashes them); the next forward would wait for them otherwise,"
-        " so that wait is shown apart (moved, not added; what it costs in lost overlap shows in the A/B column).",
+        " the watchdog thread, per step, and as a share of the fastest baseline step (the one least slowed by other"
+        " jobs). A check's all-gather (and a verified collective's header) also absorbs the wait for the slower"
+        " rank, which the next collective would otherwise absorb, so this errs high.",
         "- *A/B*: each variant's step time against the no-check baseline of the same repeat: end to end, but on"
-        " this shared 2-core machine other jobs move single blocks by tens of percent; the raw times are below.\n",
+        " this shared 2-core machine other jobs move single blocks by tens of percent; the raw times are below. The"
+        " same for the CPU time the process used (all its threads, gloo's included: what verified collectives'"
+        " extra messages cost in work), which other jobs move less.\n",
         *(table(stage, entry) for stage, entry in results.items()),
     ])
 

@@ -8,11 +8,12 @@
               rank's loss curve looks fine; each rank trains a different model. The replicated-state
               check (every ``every_n_steps``) names the rank, the parameter and the first element.
 2. skip       One rank skips a collective. A data-dependent shortcut skips the last block for "easy"
-              batches, so a rank whose batch is easy issues one all-gather fewer: without checks the
-              ranks pair up the wrong collectives (wrong weights, then a crash or a hang). With
-              ``strict_collectives=True`` every call's fingerprint is compared first: both fingerprints
-              are named before any data moves. (Without strict mode the watchdog ends the run with a
-              report of what each rank is waiting on.)
+              batches, and the blocks were named as units (``unit_classes``; the default policy would
+              not make units of blocks run under a condition), so a rank whose batch is easy issues one
+              all-gather fewer: unchecked, the ranks would pair up the wrong collectives (wrong weights,
+              then gloo's abort or a hang). Verified collectives (on by default) compare every call's
+              fingerprint first: the run stops on both ranks at that collective, naming the unit each
+              rank gathered and the fix, before any data moves.
 3. same-data  Every rank reads the same data. A DataLoader without a DistributedSampler (here with
               Lightning's sampler injection turned off) hands each rank the same batches: N ranks, the
               cost of N, the progress of one. The data check names the ranks with identical batches.
@@ -80,9 +81,11 @@ def run_fault(fault: str) -> None:
     """One 2-rank run with the fault; prints what caught it (on every rank)."""
     torch.manual_seed(0)
     model = {"diverge": DivergingGPT, "skip": ShortcutGPT, "same-data": lambda: GPT(**SIZES)}[fault]()
-    sanity = ShardLabSanity(every_n_steps=5, strict_collectives=fault == "skip", collective_timeout_s=60)
+    sanity = ShardLabSanity(every_n_steps=5, collective_timeout_s=60)
+    units = ["lightning_shardlab.examples.gpt.Block"] if fault == "skip" else None  # the user shards every block
+    strategy = ShardLabStrategy(stage=2 if fault == "diverge" else 3, unit_classes=units)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=ShardLabStrategy(stage=2 if fault == "diverge" else 3), max_steps=12,
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=12,
         callbacks=[sanity], use_distributed_sampler=fault != "same-data", logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
     )

@@ -10,6 +10,7 @@ from lightning_shardlab.budget_report import ShardLabBudget
 from lightning_shardlab.checkpoint_files import CheckpointError
 from lightning_shardlab.collectives import Comm
 from lightning_shardlab.config import Accumulation, ShardLabConfig, Stage
+from lightning_shardlab.ema import ShardLabEMA
 from lightning_shardlab.optimizer import shard_optimizer
 from lightning_shardlab.sanity_callback import ShardLabSanity
 from lightning_shardlab.sanity_guard import SanityConfig, SanityGuard
@@ -27,6 +28,7 @@ __all__ = [
     "SanityConfig",
     "SanityGuard",
     "ShardLabConfig",
+    "ShardLabEMA",
     "ShardLabSanity",
     "ShardLabStrategy",
     "ShardLabVitals",

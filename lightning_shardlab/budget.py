@@ -4,7 +4,7 @@ Everything here is arithmetic on ``FlatParamLayout``s — no tensors, no process
 functions predict a run that is happening (set against what the ledger measures) and a run that is
 only planned (``shardlab plan``, any world size). Categories match ``ledger.measure_memory``.
 
-The ZeRO table (DESIGN.md section 3), per parameter, mixed precision with Adam: 2 B compute copy +
+The ZeRO table, per parameter, mixed precision with Adam: 2 B compute copy +
 2 B gradient + 4 B fp32 master + 8 B moments = 16 B; in fp32 the compute copy is the master: 4 + 4 + 8.
 """
 

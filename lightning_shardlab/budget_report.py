@@ -25,13 +25,10 @@ from rich.table import Table
 from lightning_shardlab import collectives
 from lightning_shardlab.budget import OptimizerShape, predict_gathered_peak, predict_memory, predict_traffic
 from lightning_shardlab.config import Accumulation
+from lightning_shardlab.display import mib, print_table
 from lightning_shardlab.ledger import MEMORY_CATEGORIES, measure_memory
 
 STEP_KEYS = (*MEMORY_CATEGORIES, "gathered_peak", "comm_bytes", "comm_seconds", "step_seconds")
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.2f}"
 
 
 def process_peak_bytes(device: torch.device) -> int:
@@ -199,11 +196,11 @@ class ShardLabBudget(L.Callback):
             memory.add_column(col, justify="right")
         for r in everyone:
             m, p = r["memory_measured"], r["memory_predicted"]
-            cells = [f"{_mib(m[c])} ({_mib(p[c])})" for c in cats]
+            cells = [f"{mib(m[c])} ({mib(p[c])})" for c in cats]
             state = sum(m[c] for c in MEMORY_CATEGORIES if c != "padding")
             predicted = sum(p[c] for c in MEMORY_CATEGORIES if c != "padding")
-            memory.add_row(str(r["rank"]), *cells, f"{_mib(state)} ({_mib(predicted)})", _mib(r["process_peak_bytes"]))
-        self.console.print(memory)
+            memory.add_row(str(r["rank"]), *cells, f"{mib(state)} ({mib(predicted)})", mib(r["process_peak_bytes"]))
+        print_table(self.console, memory)
         comm = Table(title=f"shardlab budget: communication per optimizer step ({first['optimizer_steps']} steps),"
                            " full-tensor MiB, measured (predicted)")
         for col in ("rank", "collective", "calls", "MiB", "seconds waiting", "share of step"):
@@ -213,7 +210,7 @@ class ShardLabBudget(L.Callback):
             for kind, c in sorted(r["comm_per_step"].items()):
                 p_calls, p_bytes = pred.get(f"{kind}_calls"), pred.get(f"{kind}_bytes")
                 calls = f"{c['calls']:.1f}" + (f" ({p_calls})" if p_calls is not None else "")
-                mib = _mib(c["bytes"]) + (f" ({_mib(p_bytes)})" if p_bytes is not None else "")
+                moved = mib(c["bytes"]) + (f" ({mib(p_bytes)})" if p_bytes is not None else "")
                 share = c["seconds"] / max(r["step_seconds"], 1e-12)
-                comm.add_row(str(r["rank"]), kind, calls, mib, f"{c['seconds']:.4f}", f"{share:.1%}")
-        self.console.print(comm)
+                comm.add_row(str(r["rank"]), kind, calls, moved, f"{c['seconds']:.4f}", f"{share:.1%}")
+        print_table(self.console, comm)

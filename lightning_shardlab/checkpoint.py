@@ -24,6 +24,7 @@ either (checkpoint_inspect.py). The files, one concept each:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,9 @@ from torch.optim import Optimizer
 from lightning_shardlab import checkpoint_sharded, collectives
 from lightning_shardlab.checkpoint_files import (CheckpointError, clear_leftovers, commit, delete, fsync_file, new_id,
                                                  remove_path, tmp_path)
-from lightning_shardlab.checkpoint_format import RANK_STATES_KEY
-from lightning_shardlab.checkpoint_full import (full_optimizer_state, full_state_dict, load_full_optimizer_state,
-                                                load_full_state_dict, replicated_state)
+from lightning_shardlab.checkpoint_format import EMA_RECORD, EMA_STATE_DICT, RANK_STATES_KEY
+from lightning_shardlab.checkpoint_full import (full_optimizer_state, full_state_dict, load_full_averages,
+                                                load_full_optimizer_state, load_full_state_dict, replicated_state)
 from lightning_shardlab.checkpoint_rank_state import (Owners, SavedRankStates, differing_paths, get_or_absent,
                                                       restore, tree_digests)
 from lightning_shardlab.shard_model import ShardedModel
@@ -76,6 +77,8 @@ def optimizer_state(optimizer: Optimizer, sharded: ShardedModel) -> dict[str, An
 def save(checkpoint: dict[str, Any], filepath: str | Path, sharded: ShardedModel, optimizers: list[Optimizer],
          precision: str, plugin: CheckpointIO, storage_options: Any = None) -> None:
     """Collective: write Lightning's dump (from ``module_state`` / ``optimizer_state``) atomically."""
+    if sharded.averages is not None:
+        checkpoint[EMA_RECORD] = sharded.averages.record()
     if sharded.config.state_dict_type == "full":
         _save_full(checkpoint, filepath, sharded, plugin, storage_options)
         return
@@ -104,6 +107,8 @@ def _save_full(checkpoint: dict[str, Any], filepath: str | Path, sharded: Sharde
                                                label="checkpoint rank states")
         states = SavedRankStates(comm.world_size, paths, values, sharded.config.broadcast_buffers)
         checkpoint[RANK_STATES_KEY] = states.to_dict()
+    if sharded.averages is not None:
+        checkpoint[EMA_STATE_DICT] = full_state_dict(sharded, ema=True)  # collective; {} off rank 0
     outcome = None
     if comm.rank == 0:
         outcome = _write_full(checkpoint, final, everyone[0]["tmp_id"], plugin, storage_options)
@@ -187,12 +192,31 @@ def _load_full(filepath: str | Path, plugin: CheckpointIO, weights_only: bool | 
 
 
 def load_model(sharded: ShardedModel, checkpoint: Mapping[str, Any], strict: bool) -> None:
-    """Collective: this rank's shard of every parameter, and the replicated entries."""
+    """Collective: this rank's shard of every parameter, and the replicated entries; and of the averages,
+    while ShardLabEMA keeps them."""
     reader = checkpoint.get(SOURCE_KEY)
     if reader is None:
         load_full_state_dict(sharded, checkpoint["state_dict"], strict=strict)
     else:
         checkpoint_sharded.load_model(sharded, reader, checkpoint["state_dict"], strict)
+    if sharded.averages is not None:
+        _load_averages(sharded, checkpoint, reader)
+
+
+def _load_averages(sharded: ShardedModel, checkpoint: Mapping[str, Any], reader: Any) -> None:
+    """The saved average, resharded like the masters; a checkpoint without one restarts it from the weights."""
+    record = checkpoint.get(EMA_RECORD)
+    if record is not None and reader is not None:
+        loaded = checkpoint_sharded.load_averages(sharded, reader)
+    else:
+        loaded = record is not None and load_full_averages(sharded, checkpoint.get(EMA_STATE_DICT, {}))
+    if loaded:
+        sharded.averages.load_record(record)
+        return
+    if sharded.comm.rank == 0:
+        warnings.warn("the checkpoint holds no weight average (it was saved without ShardLabEMA): the average"
+                      " starts again from the loaded weights.", stacklevel=3)
+    sharded.averages.restart(sharded)
 
 
 def load_optimizers(optimizers: list[Optimizer], sharded: ShardedModel, checkpoint: Mapping[str, Any]) -> None:

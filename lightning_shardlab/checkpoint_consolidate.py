@@ -3,7 +3,8 @@
 The output is what ``state_dict_type="full"`` writes: ``state_dict`` with exactly the LightningModule's
 own keys in its order (tied parameters share one tensor), ``optimizer_states`` in the unsharded torch
 format (state by parameter index, per-element tensors in the parameters' shapes), and everything else
-Lightning saved (loops, callbacks, LR schedulers, hyperparameters). So ``MyModule.load_from_checkpoint(DST)``
+Lightning saved (loops, callbacks, LR schedulers, hyperparameters), and with ShardLabEMA the averaged
+weights under ``ema_state_dict`` (the same keys). So ``MyModule.load_from_checkpoint(DST)``
 loads it without importing this package, and shardlab loads it back at any world size and stage.
 
 No process group and no original world size: this one process verifies every file (sizes, sha256),
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from lightning_shardlab.checkpoint_files import CheckpointError, commit, delete, fsync_file, new_id, tmp_path
-from lightning_shardlab.checkpoint_format import RANK_STATES_KEY, CheckpointReader
+from lightning_shardlab.checkpoint_format import EMA, EMA_RECORD, EMA_STATE_DICT, RANK_STATES_KEY, CheckpointReader
 
 
 def consolidated_checkpoint(src: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -35,6 +36,9 @@ def consolidated_checkpoint(src: str | Path, weights_only: bool | None = None) -
     if saved and saved["paths"]:
         values = [s["values"] for s in reader.load_rank_states(weights_only)]
         checkpoint[RANK_STATES_KEY] = {**saved, "values": values}
+    ema = checkpoint.get(EMA_RECORD)
+    if ema is not None:  # ShardLabEMA's average: the same keys, averaged buffers, frozen parameters as they are
+        checkpoint[EMA_STATE_DICT] = _full_state_dict(reader, {**checkpoint["state_dict"], **ema["buffers"]}, EMA)
     checkpoint["state_dict"] = _full_state_dict(reader, checkpoint["state_dict"])
     if "optimizer_states" in checkpoint:
         checkpoint["optimizer_states"] = [_full_optimizer_state(reader, o, s)
@@ -43,10 +47,11 @@ def consolidated_checkpoint(src: str | Path, weights_only: bool | None = None) -
     return checkpoint
 
 
-def _full_state_dict(reader: CheckpointReader, replicated: dict[str, Any]) -> dict[str, Any]:
+def _full_state_dict(reader: CheckpointReader, replicated: dict[str, Any], kind: str = "master") -> dict[str, Any]:
     params: dict[str, torch.Tensor] = {}
     for i, layout in enumerate(reader.layouts):
-        flat = reader.read("master", i, 0, layout.numel)  # 1-D, numel: the whole flat parameter, unpadded
+        saved = kind if kind in reader.tensors[i] else "master"  # a frozen flat parameter has no average
+        flat = reader.read(saved, i, 0, layout.numel)  # 1-D, numel: the whole flat parameter, unpadded
         for slot in layout.slots:
             value = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
             for fqn in slot.fqns:

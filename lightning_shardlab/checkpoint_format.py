@@ -20,6 +20,8 @@ For flat parameter f (metadata ``flat_params[f]``, named like ``blocks.0[float32
                             [r*S, min((r+1)*S, numel)) of f in *flat coordinates*, S = padded_numel / N
     "optim<o>/<key>/<f>"    optimizer o's per-element state ``key`` (exp_avg, momentum_buffer, ...) over
                             the same elements, zeros where a parameter has none
+    "ema/<f>"               with ShardLabEMA, the average of the master shard over the same elements
+                            (trainable flat parameters only: a frozen one is its own average)
 
 Flat coordinates do not depend on the world size: padding aside, element k of a flat parameter is
 element k at every world size (parameters laid end to end in registration order, flat_param.py).
@@ -32,7 +34,10 @@ precision plugin state, hyperparameters, epoch, global_step, datamodule and user
 ``state_dict`` holding only the module's replicated entries (buffers, extra state) and
 ``optimizer_states`` holding, per optimizer, ``param_groups`` and the scalar state per parameter index
 (``step``); per-element state lives in the shard files. ``shardlab_rank_states`` lists the entries
-that differed between ranks (their values are in the rank-state files).
+that differed between ranks (their values are in the rank-state files). ``shardlab_ema`` (with
+ShardLabEMA): ``n_averaged``, ``use_buffers`` and the averaged ``buffers``; the averaged parameters are
+the ``ema/<f>`` tensors. A full or consolidated checkpoint holds the same record and, under
+``ema_state_dict``, the averaged module state dict with the module's own keys.
 
 metadata.json::
 
@@ -41,7 +46,7 @@ metadata.json::
     state_dict_keys            the module's own ``state_dict()`` keys in order (what consolidation writes)
     flat_params[f]             name, unit, dtype, requires_grad, numel, padded_numel, slots (fqns: every
                                name of the parameter, tied ones have several; shape; offset), and
-                               tensors: {"master" | "optim<o>/<key>": dtype} that every shard file holds
+                               tensors: {"master" | "optim<o>/<key>" | "ema": dtype} that every shard file holds
     optimizers[o]              params: the canonical name of each parameter index, in order;
                                state_keys: each one's per-element state keys
     rank_state                 paths of the per-rank entries (readable), their files
@@ -82,6 +87,9 @@ COMPLETE = "COMPLETE"
 METADATA = "metadata.json"
 TRAINER_STATE = "trainer_state.pt"
 RANK_STATES_KEY = "shardlab_rank_states"  # in trainer_state.pt, and in a consolidated (full) checkpoint
+EMA = "ema"  # the tensor kind of ShardLabEMA's averaged shards
+EMA_STATE_DICT = "ema_state_dict"  # in a full (or consolidated) checkpoint: the averaged module state dict
+EMA_RECORD = "shardlab_ema"  # in every checkpoint with an average: {"n_averaged", "use_buffers", "buffers"}
 
 
 def shard_file(rank: int, world_size: int) -> str:

@@ -25,13 +25,20 @@ from lightning_shardlab import collectives
 from lightning_shardlab.shard_model import ShardedModel, placeholders_allowed
 
 
-def full_state_dict(sharded: ShardedModel) -> dict[str, Any]:
-    """Collective. The unsharded ``module.state_dict()`` as CPU tensors on rank 0; ``{}`` elsewhere."""
+def full_state_dict(sharded: ShardedModel, ema: bool = False) -> dict[str, Any]:
+    """Collective. The unsharded ``module.state_dict()`` as CPU tensors on rank 0; ``{}`` elsewhere. With
+    ``ema``, the averaged weights and buffers (ShardLabEMA) instead."""
+    averages = sharded.averages
+    if ema and averages is None:
+        raise ValueError("full_state_dict(ema=True) needs averaged weights, and there are none. HINT: train with"
+                         " callbacks=[lightning_shardlab.ShardLabEMA(...)].")
     with placeholders_allowed():
         keyed = sharded.module.state_dict(keep_vars=True)
+    if ema:
+        keyed = {k: averages.buffers.get(k, v) for k, v in keyed.items()}
     values: dict[str, Tensor] = {}
     for fp in sharded.flat_params:
-        full = sharded.gather_full(fp)  # 1-D, padded_numel, master dtype
+        full = sharded.gather_full(fp, averages.shard_of(sharded, fp) if ema else None)  # 1-D, padded_numel
         if sharded.comm.rank == 0:
             for slot in fp.layout.slots:
                 value = full[slot.offset : slot.offset + slot.numel].view(slot.shape).detach().to("cpu", copy=True)
@@ -77,6 +84,21 @@ def load_full_state_dict(sharded: ShardedModel, state_dict: Mapping[str, Any], s
 
 def _load_flat_param(fp: FlatParam, values: list[Tensor]) -> None:
     fp.load(fp.flatten(values))
+
+
+def load_full_averages(sharded: ShardedModel, state_dict: Mapping[str, Any]) -> bool:
+    """Every rank: this rank's slices of a full averaged state dict (``ema_state_dict``) into the averaged
+    shards. False (nothing loaded) when it lacks a parameter of a trainable flat parameter."""
+    for fp, avg in zip(sharded.flat_params, sharded.averages.shards):
+        names = [next((f for f in slot.fqns if f in state_dict), None) for slot in fp.layout.slots]
+        if avg is not None and None in names:
+            return False
+    for fp, avg in zip(sharded.flat_params, sharded.averages.shards):
+        if avg is not None:
+            start, end = fp.layout.shard_range(fp.rank)
+            names = [next(f for f in slot.fqns if f in state_dict) for slot in fp.layout.slots]
+            avg.copy_(fp.flatten([state_dict[n] for n in names])[start:end])
+    return True
 
 
 def replicated_state(sharded: ShardedModel) -> dict[str, Any]:

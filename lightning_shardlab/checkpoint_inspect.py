@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lightning_shardlab.checkpoint_files import CheckpointError, leftovers
+from lightning_shardlab.display import size
 from lightning_shardlab.checkpoint_format import (COMPLETE, METADATA, RANK_STATES_KEY, CheckpointReader, read_json,
                                                   saved_range)
 
@@ -101,15 +102,11 @@ def _describe_full(path: Path) -> dict[str, Any]:
     return info
 
 
-def _kib(n: int) -> str:
-    return f"{n / 1024:,.1f} KiB"
-
-
 def render(info: dict[str, Any]) -> str:
     lines = [f"{info['path']}: {info['kind']} checkpoint"]
     lines += [f"  PROBLEM: {p}" for p in info["problems"]]
     if info["kind"] == "full":
-        lines.append(f"  {_kib(info['bytes'])}, {len(info.get('entries', []))} tensors in state_dict,"
+        lines.append(f"  {size(info['bytes'])}, {len(info.get('entries', []))} tensors in state_dict,"
                      f" {info.get('optimizers', 0)} optimizer state(s)")
         lines += [f"    {e['name']:40s} {tuple(e['shape'])!s:16s} {e['dtype']}" for e in info.get("entries", [])]
         return "\n".join(lines)
@@ -119,10 +116,10 @@ def render(info: dict[str, Any]) -> str:
     status = ("verified (sizes and sha256 of every file)" if info.get("verified")
               else "NOT loadable" if info["problems"] else "complete")
     lines.append(f"  {status}; saved at world size {info['world_size']}, stage {info['stage']}, precision"
-                 f" {info['precision']}, module {info['module']}; {info['files']} data files, {_kib(info['bytes'])}"
+                 f" {info['precision']}, module {info['module']}; {info['files']} data files, {size(info['bytes'])}"
                  " (besides metadata.json and COMPLETE)")
     lines.append("  per rank:")
-    lines += [f"    rank {r['rank']:<4d} {_kib(r['bytes']):>12s}  {', '.join(r['files'])}" for r in info["per_rank"]]
+    lines += [f"    rank {r['rank']:<4d} {size(r['bytes']):>12s}  {', '.join(r['files'])}" for r in info["per_rank"]]
     lines.append("  units:")
     for unit, fps in info["units"].items():
         for fp in fps:

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_shardlab import collectives
-from lightning_shardlab.checkpoint_format import (COMPLETE, FORMAT, METADATA, RANK_STATES_KEY, TRAINER_STATE,
+from lightning_shardlab.checkpoint_format import (COMPLETE, EMA, FORMAT, METADATA, RANK_STATES_KEY, TRAINER_STATE,
                                                   VERSION, CheckpointReader, dtype_name, layout_record, master_key,
                                                   optim_key, rank_state_file, saved_range, shard_file)
 from lightning_shardlab.checkpoint_full import optimizer_index, param_names
@@ -76,10 +76,14 @@ def _shard_tensors(sharded: ShardedModel, optimizers: list[Optimizer], states: l
     tensors: dict[str, Tensor] = {}
     kinds: list[dict[str, str]] = []
     fps = sharded.flat_params
-    for fp in fps:
+    averaged = sharded.averages.shards if sharded.averages is not None else [None] * len(fps)
+    for fp, avg in zip(fps, averaged):
         lo, hi = saved_range(fp.layout, fp.rank)
         tensors[master_key(fp.layout.name)] = fp.master[: hi - lo].detach().to("cpu", copy=True)
         kinds.append({"master": dtype_name(fp.master.dtype)})
+        if avg is not None:  # ShardLabEMA's average of this shard
+            tensors[f"{EMA}/{fp.layout.name}"] = avg[: hi - lo].detach().to("cpu", copy=True)
+            kinds[-1][EMA] = dtype_name(avg.dtype)
     for o, (optimizer, state, plan) in enumerate(zip(optimizers, states, agreed)):
         index = optimizer_index(optimizer, sharded)
         keys_per_fp: dict[int, dict[str, str]] = {}
@@ -271,12 +275,24 @@ def load_model(sharded: ShardedModel, reader: CheckpointReader, buffers: Mapping
     with torch.no_grad():
         for fp, (lo, hi), name, a, b in plan:
             fp.master[lo:hi].copy_(reader.read_param("master", name, a, b))
-        for fp in sharded.flat_params:
-            fp.shard_from_master()
-    loaded = set(sharded.flat_params)
-    for unit in sharded.units:
-        unit.gather_after_step(loaded)  # the compute copies: resident (stages 1-2) or gathered units
+    sharded.refresh(set(sharded.flat_params))  # the compute copies: resident (stages 1-2) or gathered units
     sharded.module.load_state_dict({k: v for k, v in buffers.items() if k not in params}, strict=False)
+
+
+def load_averages(sharded: ShardedModel, reader: CheckpointReader) -> bool:
+    """Every rank: its slices of the saved averages (ShardLabEMA), read like the masters; False (nothing
+    loaded) when the checkpoint holds no average for one of them."""
+    plan = []
+    for fp, avg in zip(sharded.flat_params, sharded.averages.shards):
+        for slot, (a, b) in _overlaps(fp) if avg is not None else ():
+            name = next((f for f in slot.fqns if f in reader.where), None)
+            if name is None or EMA not in reader.tensors[reader.where[name][0]]:
+                return False
+            plan.append((avg, fp.layout.slot_in_shard(slot, fp.rank), name, a, b))
+    with torch.no_grad():
+        for avg, (lo, hi), name, a, b in plan:
+            avg[lo:hi].copy_(reader.read_param(EMA, name, a, b))
+    return True
 
 
 def load_optimizers(optimizers: list[Optimizer], sharded: ShardedModel, reader: CheckpointReader,

@@ -31,18 +31,40 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_shardlab  # noqa: F401  (registers "shardlab", "shardlab_stage_1", ... with Lightning)
 
 
-TOOLS = {  # subcommand -> module whose main(argv) runs it
-    "plan": "lightning_shardlab.plan",
-    "consolidate": "lightning_shardlab.checkpoint_consolidate",
-    "inspect": "lightning_shardlab.checkpoint_inspect",
+TOOLS = {  # subcommand -> (module whose main(argv) runs it, what it does)
+    "plan": ("lightning_shardlab.plan", "the budget before the hardware: bytes per rank, traffic and time per step"),
+    "consolidate": ("lightning_shardlab.checkpoint_consolidate",
+                    "a sharded checkpoint -> one plain Lightning checkpoint file (no process group)"),
+    "inspect": ("lightning_shardlab.checkpoint_inspect",
+                "describe a checkpoint: complete or not, world size, stage, units, bytes per rank"),
 }
+LIGHTNING = {
+    "fit": "train (LightningCLI: --config X.yaml, and any Trainer, model, data or strategy option)",
+    "validate": "one evaluation epoch over the validation set",
+    "test": "one evaluation epoch over the test set",
+    "predict": "predictions on the predict set",
+}
+
+
+def usage() -> str:
+    """Every subcommand, Lightning's and the tools."""
+    width = max(map(len, (*LIGHTNING, *TOOLS))) + 2
+    lines = [f"usage: shardlab {{{','.join((*LIGHTNING, *TOOLS))}}} ...", "",
+             "Fully sharded training for PyTorch Lightning, and the tools around it.", "", "training (LightningCLI):"]
+    lines += [f"  {name:{width}}{what}" for name, what in LIGHTNING.items()]
+    lines += ["", "tools:"] + [f"  {name:{width}}{what}" for name, (_, what) in TOOLS.items()]
+    lines += ["", "`shardlab <subcommand> --help` shows a subcommand's options, e.g. shardlab fit --help."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     """A tool subcommand, or LightningCLI on ``argv`` (default: the command line)."""
     words = sys.argv[1:] if argv is None else list(argv)
     if words and words[0] in TOOLS:
-        importlib.import_module(TOOLS[words[0]]).main(words[1:])
+        importlib.import_module(TOOLS[words[0]][0]).main(words[1:])
+        return
+    if not words or words[0] in ("-h", "--help"):
+        print(usage())
         return
     LightningCLI(
         L.LightningModule,

@@ -13,7 +13,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Stage(IntEnum):
-    """What is sharded at rest (DESIGN.md section 3)."""
+    """What is sharded at rest (the ZeRO ladder, docs/design.md)."""
 
     OPTIMIZER = 1  # optimizer state and fp32 master
     GRADIENTS = 2  # + gradients (reduce-scattered per unit during backward)
@@ -64,13 +64,16 @@ class ShardLabConfig:
     accumulation: Accumulation = Accumulation.REDUCE
     """Gradient accumulation: 'reduce' every micro-batch into shards, or 'defer' to the last one."""
 
-    find_unused_parameters: bool = False
-    """Agree across ranks (one small all-reduce per backward) on which parameters got no gradient, and
-    leave those gradients None as DDP does. Off: a parameter that got no gradient inside a unit that ran
-    backward receives a zero gradient."""
+    find_unused_parameters: bool = True
+    """Agree across ranks (one small all-reduce per optimizer step, of one int32 per parameter) on which
+    parameters got no gradient on any rank, and leave those gradients None, as a single device and DDP do
+    (the optimizer then skips them: no weight decay, no momentum). False (an explicit choice): skip the
+    all-reduce; a parameter that got no gradient inside a unit that ran backward then receives a zero
+    gradient, which AdamW still decays and moves by momentum."""
 
     broadcast_buffers: bool = True
-    """Before each training step, give every rank rank 0's buffers (e.g. BatchNorm statistics), as DDP does."""
+    """Before each training and validation step of fit, give every rank rank 0's buffers (e.g. BatchNorm
+    statistics), as DDP does before each forward."""
 
     gradient_clip_norm_type: float = 2.0
     """The norm Lightning's ``gradient_clip_val`` clips by: 2, 1, or ``inf`` (any p > 0), over all ranks' shards."""

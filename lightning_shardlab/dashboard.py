@@ -11,7 +11,9 @@ stand out, and ``find_outliers`` marks it:
     centre, or not finite where the centre is, is an outlier.
 
 With two ranks both deviate equally from their median, so an outlier marks the pair; three or more
-ranks name the odd one.
+ranks name the odd one. Signals that are the same on every rank by construction (the averaged
+gradient's norm, update ratios) are drawn once, in black, and never compared; a panel without data
+says why (a frozen unit, a module whose own forward never runs).
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ import math
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-GLOBAL = "grad_norm"  # the same on every rank: drawn once, never an outlier
+GLOBAL = "grad_norm"  # the norm of the averaged gradient: the same on every rank
 LINEAR = ("loss", "act_mean")  # signals that may be negative; the rest are compared in log10
 
 
@@ -38,6 +40,8 @@ class VitalsHistory:
     signals: list[str]  # e.g. "loss", "grad_norm_local", "act_std/blocks.0", "update_ratio/blocks.0"
     values: np.ndarray  # (steps, world, signals), NaN where a rank had no value
     title: str = "shardlab vital signs"
+    global_signals: list[str] = field(default_factory=lambda: [GLOBAL])  # the same on every rank: drawn once
+    reasons: dict[str, str] = field(default_factory=dict)  # signal -> why it has no data (shown in its panel)
 
     @property
     def world_size(self) -> int:
@@ -73,8 +77,9 @@ def _comparable(signal: str, raw: np.ndarray) -> np.ndarray:
 
 
 def _missing_ok(signal: str) -> bool:
-    """NaN means 'no value' only for update ratios (an empty shard has none); elsewhere it is a fault."""
-    return _kind(signal) == "update_ratio"
+    """NaN means 'no value' only for gradient norms (a frozen unit, or a step without an optimizer step);
+    elsewhere it is a fault."""
+    return _kind(signal) in ("grad_norm_local", "update_ratio")
 
 
 @contextmanager
@@ -88,7 +93,7 @@ def _quiet() -> Iterator[None]:
 def find_outliers(history: VitalsHistory, z: float = 6.0) -> list[Outlier]:
     out = []
     for signal in history.signals:
-        if signal == GLOBAL or history.world_size < 2:
+        if signal in history.global_signals or history.world_size < 2:
             continue
         raw = history.series(signal)  # (steps, world)
         x = _comparable(signal, raw)
@@ -115,7 +120,8 @@ def render_png(history: VitalsHistory, outliers: list[Outlier], path: Path, max_
     from matplotlib.lines import Line2D
 
     units = _pick(history.units(), max_units)
-    rows = [("act_std", "activation std"), ("act_absmax", "activation max |x|"), ("update_ratio", "update ratio |Δw|/|w|")]
+    rows = [("act_std", "activation std"), ("act_absmax", "activation max |x|"),
+            ("grad_norm_local", "gradient norm, this rank's own"), ("update_ratio", "update ratio |Δw|/|w| (all ranks)")]
     cols = max(len(units), 2)
     fig = Figure(figsize=(3.2 * cols, 2.6 * (1 + len(rows))), layout="constrained")
     grid = fig.add_gridspec(1 + len(rows), cols)
@@ -123,14 +129,15 @@ def render_png(history: VitalsHistory, outliers: list[Outlier], path: Path, max_
     marks = {(o.signal, o.rank, o.step) for o in outliers}
     half = cols // 2
     _panel(fig.add_subplot(grid[0, :half]), history, "loss", "loss", colors, marks, log=False)
-    ax = _panel(fig.add_subplot(grid[0, half:]), history, "grad_norm_local", "gradient norm: local (per rank), global (black)",
-                colors, marks, log=True)
+    ax = _panel(fig.add_subplot(grid[0, half:]), history, "grad_norm_local",
+                "gradient norm: each rank's own, averaged (black)", colors, marks, log=True)
     if GLOBAL in history.signals:
         ax.plot(history.steps, history.series(GLOBAL)[:, 0], color="black", linestyle="--", linewidth=1.2, label="global")
     for i, (prefix, title) in enumerate(rows, start=1):
         for j, unit in enumerate(units):
             _panel(fig.add_subplot(grid[i, j]), history, f"{prefix}/{unit}", f"{title}\n{unit}", colors, marks, log=True)
     handles = [Line2D([], [], color=colors(r % 10), label=f"rank {r}") for r in range(history.world_size)]
+    handles.append(Line2D([], [], color="black", label="the same on every rank"))
     handles.append(Line2D([], [], color="red", marker="x", linestyle="", label="outlier"))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 9))
     fig.suptitle(history.title)
@@ -147,11 +154,17 @@ def _pick(units: list[str], n: int) -> list[str]:
 def _panel(ax, history: VitalsHistory, signal: str, title: str, colors, marks: set, log: bool):  # noqa: ANN001, ANN202
     ax.set_title(title, fontsize=8)
     ax.tick_params(labelsize=7)
-    if signal not in history.signals:
+    series = history.series(signal) if signal in history.signals else None
+    if series is None or np.isnan(series).all():
+        why = history.reasons.get(signal, "no data")
+        ax.text(0.5, 0.5, why, ha="center", va="center", wrap=True, fontsize=7, color="gray", transform=ax.transAxes)
+        ax.set_xticks([])
+        ax.set_yticks([])
         return ax
-    series = history.series(signal)
-    for r in range(history.world_size):
-        ax.plot(history.steps, series[:, r], color=colors(r % 10), linewidth=1.0, alpha=0.85)
+    ranks = [0] if signal in history.global_signals else range(history.world_size)
+    for r in ranks:
+        color = "black" if signal in history.global_signals else colors(r % 10)
+        ax.plot(history.steps, series[:, r], color=color, linewidth=1.0, alpha=0.85)
         bad = [(s, v) for s, v in zip(history.steps, series[:, r]) if (signal, r, s) in marks and np.isfinite(v)]
         if bad:
             ax.scatter(*zip(*bad), color="red", marker="x", s=28, zorder=3)
@@ -197,7 +210,8 @@ def write_dashboard(history: VitalsHistory, directory: Path, z: float = 6.0) -> 
     render_png(history, outliers, paths["png"])
     render_html(history, outliers, paths["png"], paths["html"])
     paths["json"].write_text(json.dumps({
-        "steps": history.steps, "signals": history.signals,
+        "steps": history.steps, "signals": history.signals, "global_signals": history.global_signals,
+        "reasons": history.reasons,
         "values": [[[None if math.isnan(v) else v for v in rank] for rank in step] for step in history.values.tolist()],
         "outliers": [asdict(o) for o in outliers],
     }))

@@ -27,6 +27,7 @@ from rich.table import Table
 from lightning_shardlab.budget import (DEVICES, INTERCONNECTS, Interconnect, OptimizerShape, Traffic,
                                        predict_gathered_peak, predict_memory, predict_traffic, zero_table_bytes)
 from lightning_shardlab.config import DTYPES, PrecisionPolicy, ShardLabConfig, Stage, import_path
+from lightning_shardlab.display import print_table, size
 from lightning_shardlab.ledger import MEMORY_CATEGORIES
 from lightning_shardlab.policy import plan_layouts
 
@@ -165,11 +166,7 @@ def _calibrate(rank: int, port: int, nbytes: int, repeats: int, queue: Any) -> N
 
 
 def _gb(n: float) -> str:
-    """Decimal units, as hardware is sold."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{n:,.0f} B"
+    return size(n, decimal=True)  # as hardware is sold
 
 
 def print_plan(plan: Plan, console: Console) -> None:
@@ -188,7 +185,7 @@ def print_plan(plan: Plan, console: Console) -> None:
         verdict = "hides behind compute" if plan.comm_seconds <= plan.compute_seconds else "exceeds compute"
         table.add_row("compute per step (estimate)", f"{plan.compute_seconds * 1e3:,.1f} ms")
         table.add_row("communication", verdict)
-    console.print(table)
+    print_table(console, table)
     console.print(f"{plan.params:,} parameters, stage {plan.stage}, {plan.world_size} ranks, {plan.precision}")
 
 

@@ -1,20 +1,24 @@
 """Which modules become units, and which unit owns each parameter.
 
-A unit is gathered, computed and freed as one piece. The default gives transformer-style models one
-unit per repeated block: every child of an ``nn.ModuleList`` / ``nn.Sequential`` whose children (two
-or more) share one class and own parameters. ``unit_classes`` replaces that with "every module of
-these classes". The root module is always a unit and owns whatever no other unit owns.
+A unit is gathered, computed and freed as one piece, so every rank must run it in each step or none
+may. The default gives transformer-style models one unit per repeated block: every child of the
+outermost ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` whose children (two or more) share
+one class and own parameters, when the code shows that every forward runs all of them (iteration.py).
+Blocks whose execution may depend on the data (mixture-of-experts experts, a list indexed by the
+step) stay inside the enclosing unit. ``unit_classes`` replaces all that with "every module of these
+classes", the user's word. The root module is always a unit and owns whatever no other unit owns.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from lightning_shardlab.config import ShardLabConfig
 from lightning_shardlab.flat_param import FlatParamLayout
+from lightning_shardlab.iteration import always_runs_every_block
 
 
 @dataclass
@@ -41,32 +45,53 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _repeated_blocks(root: nn.Module) -> list[str]:
-    """Paths of the children of the outermost containers of two or more same-class blocks."""
-    found: list[str] = []
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+@dataclass
+class UnitChoice:
+    """The units' module paths (the root "" first, then in ``named_modules()`` order), and the containers
+    of repeated blocks the default policy left whole because nothing shows every forward runs them all."""
+
+    paths: list[str]
+    declined: list[str] = field(default_factory=list)
+
+
+def _repeated_blocks(root: nn.Module) -> UnitChoice:
+    """The children of the outermost containers of two or more same-class blocks that every forward runs
+    (iteration.py); containers without that evidence are declined, and nothing inside them is a unit."""
+    choice = UnitChoice([])
 
     def visit(module: nn.Module, path: str) -> None:
         children = list(module.named_children())
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) >= 2:
+        if isinstance(module, CONTAINERS) and len(children) >= 2:
             kinds = {type(child) for _, child in children}
             if len(kinds) == 1 and all(_numel(child) > 0 for _, child in children):
-                found.extend(f"{path}.{name}" if path else name for name, _ in children)
+                if always_runs_every_block(root, path):
+                    choice.paths.extend(f"{path}.{name}" if path else name for name, _ in children)
+                else:
+                    choice.declined.append(path)
                 return
         for name, child in children:
             visit(child, f"{path}.{name}" if path else name)
 
     visit(root, "")
-    return found
+    return choice
+
+
+def choose_units(root: nn.Module, config: ShardLabConfig) -> UnitChoice:
+    """The units: every module of ``config.unit_classes`` (the user's word), else the default policy."""
+    if config.unit_types:
+        choice = UnitChoice([path for path, m in root.named_modules() if path and isinstance(m, config.unit_types)])
+    else:
+        choice = _repeated_blocks(root)
+    big_enough = [p for p in choice.paths if _numel(root.get_submodule(p)) >= max(config.min_unit_params, 1)]
+    return UnitChoice([""] + big_enough, choice.declined)
 
 
 def choose_unit_paths(root: nn.Module, config: ShardLabConfig) -> list[str]:
     """Module paths of the units, the root ("") first, then in ``named_modules()`` order."""
-    if config.unit_types:
-        paths = [path for path, m in root.named_modules() if path and isinstance(m, config.unit_types)]
-    else:
-        paths = _repeated_blocks(root)
-    paths = [p for p in paths if _numel(root.get_submodule(p)) >= max(config.min_unit_params, 1)]
-    return [""] + paths
+    return choose_units(root, config).paths
 
 
 def _is_within(path: str, unit_path: str) -> bool:

@@ -2,7 +2,8 @@
 
 Each collective announces itself to ``comm.observers`` as a ``CollectiveCall`` whose fingerprint is
 (sequence number, kind, label, numel, dtype); the label names the unit and dtype of a parameter
-collective, e.g. ``blocks.3[float32]``. Two checks compare fingerprints across ranks:
+collective, e.g. ``blocks.3[float32]`` (mismatch.py). verify.py checks every call before it runs; two
+more checks compare fingerprints across ranks:
 
     cheap   ``FingerprintRecorder`` folds every fingerprint into a running digest and keeps the
             recent ones; every K steps ``check_fingerprints`` all-gathers one (count, digest) pair per
@@ -27,56 +28,11 @@ import torch
 
 from lightning_shardlab import collectives
 from lightning_shardlab.collectives import CollectiveCall, CollectiveObserver, Comm
+from lightning_shardlab.mismatch import (GENERIC_HINT, CollectiveMismatch, CollectiveTimeout, Fingerprint, SanityError,
+                                       describe, first_difference, mismatch_message)
 from lightning_shardlab.side_channel import SideChannel
 
-Fingerprint = tuple  # (seq, kind, label, numel, dtype): CollectiveCall.fingerprint
-
-
-class SanityError(RuntimeError):
-    """A fault a sanity check found. Raised on every rank at the same point (each rank sees the same
-    gathered data), so no rank is left waiting and the watchdog need not stop the others."""
-
-
-class CollectiveMismatch(SanityError):
-    """The ranks issued different collectives."""
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective did not start on every rank in time (raised by the strict check)."""
-
-
-def describe(fp: Fingerprint | None) -> str:
-    """``#57 all_gather 'blocks.2[float32]' numel=120 float32``, or 'nothing' for a missing call."""
-    if fp is None:
-        return "nothing"
-    seq, kind, label, numel, dtype = fp
-    return f"#{seq} {kind}" + (f" {label!r}" if label else "") + (f" numel={numel} {dtype}" if numel else "")
-
-
-def first_difference(calls: dict[int, dict[int, Fingerprint]]) -> tuple[int, dict[int, Fingerprint | None]] | None:
-    """``calls``: rank -> {seq: fingerprint}. The lowest seq whose fingerprint differs, with every rank's."""
-    seqs = sorted({seq for per_rank in calls.values() for seq in per_rank})
-    for seq in seqs:
-        each = {rank: per_rank.get(seq) for rank, per_rank in calls.items()}
-        if len(set(each.values())) > 1:
-            return seq, each
-    return None
-
-
-def mismatch_message(rank: int, seq: int, each: dict[int, Fingerprint | None], when: str) -> str:
-    """Name both fingerprints: the one most ranks issued and each different one."""
-    groups: dict[Fingerprint | None, list[int]] = {}
-    for r, fp in sorted(each.items()):
-        groups.setdefault(fp, []).append(r)
-    majority = max(groups, key=lambda fp: (len(groups[fp]), -min(groups[fp])))
-    odd = "; ".join(f"rank {', '.join(map(str, rs))} issued {describe(fp)}" for fp, rs in groups.items() if fp != majority)
-    return (
-        f"[rank {rank}] collective #{seq} differs across ranks ({when}): rank"
-        f" {', '.join(map(str, groups[majority]))} issued {describe(majority)}; {odd}. The ranks no longer run the"
-        " same collectives in the same order. HINT: look for code that runs a unit (or a collective) on some"
-        " ranks only: a data-dependent branch, an early exit, or code under `if trainer.is_global_zero`;"
-        " strict_collectives=True stops at the first differing call."
-    )
+CHEAP_HINT = f"{GENERIC_HINT}; strict_collectives=True stops at the first differing call"
 
 
 class FingerprintRecorder(CollectiveObserver):
@@ -123,7 +79,7 @@ def check_fingerprints(comm: Comm, recorder: FingerprintRecorder, when: str = ""
             f" the {recorder.recent.maxlen} most recent ones. HINT: check more often (every_n_steps) or use"
             " strict_collectives=True to stop at the first differing call."
         )
-    raise CollectiveMismatch(mismatch_message(comm.rank, *found, when=when))
+    raise CollectiveMismatch(mismatch_message(comm.rank, *found, when=when, hint=CHEAP_HINT))
 
 
 class StrictCollectives(CollectiveObserver):
@@ -133,14 +89,14 @@ class StrictCollectives(CollectiveObserver):
     k-2 before posting theirs, so it deletes its own key k-2: the store holds at most two calls per rank.
     """
 
-    def __init__(self, channel: SideChannel, timeout_s: float = 300.0) -> None:
-        self.channel, self.timeout_s = channel, timeout_s
+    def __init__(self, channel: SideChannel, comm: Comm, timeout_s: float = 300.0) -> None:
+        self.channel, self.comm, self.timeout_s = channel, comm, timeout_s
         self.store = channel.store
 
     @staticmethod
     def open(comm: Comm, timeout_s: float = 300.0) -> StrictCollectives | None:
         channel = SideChannel.open("strict", comm.rank, comm.world_size)
-        return None if channel is None else StrictCollectives(channel, timeout_s)
+        return None if channel is None else StrictCollectives(channel, comm, timeout_s)
 
     def started(self, call: CollectiveCall) -> None:
         rank, world = self.channel.rank, self.channel.world_size
@@ -148,7 +104,8 @@ class StrictCollectives(CollectiveObserver):
         if call.seq >= 2:
             self.store.delete_key(f"{call.seq - 2}/{rank}")
         keys = [f"{call.seq}/{r}" for r in range(world)]
-        self._wait(keys, call)
+        with self.comm.blocking():
+            self._wait(keys, call)
         each = {r: tuple(json.loads(v)) for r, v in enumerate(self.store.multi_get(keys))}
         if len(set(each.values())) > 1:
             raise CollectiveMismatch(mismatch_message(rank, call.seq, each, when="strict check, before it ran"))

@@ -24,13 +24,16 @@ class ShardLabSanity(L.Callback):
     The strategy runs them by default with its own options (``sanity_every_n_steps``, ...); with this
     callback in the Trainer, the callback's options are used instead."""
 
-    def __init__(self, every_n_steps: int = 10, strict_collectives: bool = False, check_replicated: bool = True,
-                 check_data: bool = True, skip_buffers: list[str] | None = None,
+    def __init__(self, every_n_steps: int = 10, strict_collectives: bool = False, verify_collectives: bool = True,
+                 check_replicated: bool = True, check_data: bool = True, skip_buffers: list[str] | None = None,
                  collective_timeout_s: float | None = 300.0, heartbeat_timeout_s: float = 30.0, poll_s: float = 1.0,
                  grace_s: float = 10.0, handle_sigterm: bool = True) -> None:
-        self.config = SanityConfig(every_n_steps, strict_collectives, check_replicated, check_data,
-                                   tuple(skip_buffers or ()), collective_timeout_s, heartbeat_timeout_s, poll_s,
-                                   grace_s, handle_sigterm)
+        self.config = SanityConfig(
+            every_n_steps=every_n_steps, strict_collectives=strict_collectives, verify_collectives=verify_collectives,
+            check_replicated=check_replicated, check_data=check_data, skip_buffers=tuple(skip_buffers or ()),
+            collective_timeout_s=collective_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s, poll_s=poll_s,
+            grace_s=grace_s, handle_sigterm=handle_sigterm,
+        )
         self.guard: SanityGuard | None = None
         self.batches = 0  # training batches run: the same count on every rank
 

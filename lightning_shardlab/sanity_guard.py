@@ -45,6 +45,10 @@ class SanityConfig:
     strict_collectives: bool = False
     """Debug mode: compare every collective's fingerprint across ranks (through the store) before it runs."""
 
+    verify_collectives: bool = True
+    """Every collective carries its fingerprint in a header, checked on every rank before its payload is used
+    (verify.py, wire.py): ranks that part raise a named error at that collective, not a hang or gloo's abort."""
+
     check_replicated: bool = True
     """Compare buffers, stage 1-2 full parameters and optimizer hyperparameters/step counters across ranks."""
 
@@ -72,7 +76,7 @@ class SanityConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.every_n_steps, int) or isinstance(self.every_n_steps, bool) or self.every_n_steps < 0:
             raise ValueError(f"`every_n_steps={self.every_n_steps!r}` is invalid: expected an integer >= 0 (0: never).")
-        for option in ("strict_collectives", "check_replicated", "check_data", "handle_sigterm"):
+        for option in ("strict_collectives", "verify_collectives", "check_replicated", "check_data", "handle_sigterm"):
             if not isinstance(getattr(self, option), bool):
                 raise ValueError(f"`{option}={getattr(self, option)!r}` is invalid: expected True or False.")
         for option in ("collective_timeout_s", "heartbeat_timeout_s", "poll_s", "grace_s"):
@@ -104,6 +108,8 @@ class SanityGuard:
     def start(self) -> SanityGuard:
         """Collective in spirit: every rank starts its guard at the same point (before the first step)."""
         c, comm = self.config, self.comm
+        if c.verify_collectives:
+            self.sharded.verify_collectives()
         comm.observers.append(self.recorder)
         if c.strict_collectives:
             self.strict = StrictCollectives.open(comm, c.collective_timeout_s or 300.0)

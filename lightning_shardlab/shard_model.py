@@ -10,20 +10,22 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_shardlab import collectives, gradients, hooks
+from lightning_shardlab import collectives, divergent_units, gradients, hooks
 from lightning_shardlab.collectives import Comm
 from lightning_shardlab.config import PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.flat_param import FlatParam, FlatParamLayout
 from lightning_shardlab.labels import phase
 from lightning_shardlab.materialize import has_meta, materialize
-from lightning_shardlab.policy import ParamUse, choose_unit_paths, group_flat_params, owning_unit, param_uses
-from lightning_shardlab.unit import Registration, Unit
+from lightning_shardlab.policy import ParamUse, choose_units, group_flat_params, owning_unit, param_uses
+from lightning_shardlab.unit import Registration, Unit, UnitState
+from lightning_shardlab.usage import UsageAgreement
 
 TRANSPORT_PROBE_NUMEL = 8 * 2**20  # the transports are timed on the biggest flat parameter, up to this size
 MAX_REDUCTIONS_IN_FLIGHT = 1  # more overlap more, but each holds its unit's whole flat gradient alive
@@ -40,6 +42,9 @@ class ShardedModel:
         self.config = config
         self.comm = comm
         self.policy = policy
+        self.averages: Any = None  # averaged weights (averages.Averages), kept while ShardLabEMA runs
+        # called with (unit, flat param, flat grad) for each reduction, before the grads are averaged
+        self.grad_observers: list[Callable[[Unit, FlatParam, Tensor], None]] = []
         self._sync = True  # reduce gradients in this backward (False inside no_sync())
         self._show = True  # show reduced gradients to the optimizer (False inside accumulating())
         self._root_held = False  # the strategy keeps the root gathered for a whole step
@@ -48,6 +53,9 @@ class ShardedModel:
         self._in_flight: list[Unit] = []  # units whose reduce-scatters are launched, oldest first
         self._order: list[Unit] = []  # non-root units in the order their forward ran, this step
         self._last_order: list[Unit] = []  # ... and last step: what forward prefetching follows
+        # benchmarks/ only: leave the refresh after an optimizer step in flight until each unit's next
+        # forward (weights read between steps are then stale); measures what refresh()'s wait costs
+        self._overlap_refresh = False
 
     @property
     def root(self) -> Unit:
@@ -83,6 +91,14 @@ class ShardedModel:
     def pre_forward(self, unit: Unit) -> None:
         """Gather ``unit`` (its prefetch may be in flight already) and prefetch the unit that ran after it
         last step; remember this step's order for backward."""
+        if unit.state is UnitState.SUMMONED:
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"[rank {self.comm.rank}] unit {unit.name!r} ran forward with gradients enabled inside"
+                    " gathered_params(); its full copies are not trained. HINT: run it under torch.no_grad(), or"
+                    " after the `with` block."
+                )
+            return
         unit.unshard()
         if unit.is_root:
             return
@@ -128,11 +144,14 @@ class ShardedModel:
         limit = len(self.units) if self.config.stage is Stage.OPTIMIZER else MAX_REDUCTIONS_IN_FLIGHT
         while len(self._in_flight) >= limit:
             self._in_flight.pop(0).wait_reductions()
-        unit.reduce_grads(async_op=True)
+        for fp, flat in unit.reduce_grads(async_op=True):
+            for observe in self.grad_observers:  # e.g. the vital signs: this rank's own gradient norm
+                observe(unit, fp, flat)
         self._in_flight.append(unit)
 
     def _finish_backward(self) -> None:
-        """End of backward: 1. finish units with no post-backward  2. reduce the rest  3. wait, attach grads."""
+        """End of backward: 1. finish units with no post-backward  2. reduce the rest, and launch the agreement
+        on which parameters were used (usage.py)  3. wait, attach grads."""
         for unit in reversed(self.units):
             if unit.in_backward:
                 self.post_backward(unit)
@@ -141,10 +160,12 @@ class ShardedModel:
             for unit in reversed(pending):
                 if not unit.reduced:
                     self._reduce(unit)
+            usage = UsageAgreement.launch(pending, self.comm, self.config.find_unused_parameters,
+                                          self._warned_unused) if self._show else None  # travels with the reductions
             while self._in_flight:
                 self._in_flight.pop(0).wait_reductions()
-            if self._show:
-                for unit, used in zip(pending, self._agree_on_usage(pending)):
+            if usage is not None:
+                for unit, used in zip(pending, usage.result()):
                     unit.show_grads(used)
             else:
                 for unit in pending:
@@ -152,41 +173,6 @@ class ShardedModel:
         for unit in self.units:
             if not (unit.is_root and self._root_held):
                 unit.reshard()
-
-    def _agree_on_usage(self, units: list[Unit]) -> list[list[Tensor]]:
-        """Which parameters count as having a gradient (see ``find_unused_parameters``)."""
-        local = [used for unit in units for used in unit.used]
-        if not local:
-            return [[] for _ in units]
-        if self.config.find_unused_parameters:
-            bits = torch.cat(local).to(self.comm.device, torch.int32)
-            collectives.all_reduce(bits, self.comm, op="max", label="unused parameters")
-            agreed = list(bits.cpu().bool().split([u.numel() for u in local]))
-        else:
-            self._warn_unused(units)
-            agreed = [torch.ones_like(u) for u in local]
-        out, i = [], 0
-        for unit in units:
-            out.append(agreed[i : i + len(unit.used)])
-            i += len(unit.used)
-        return out
-
-    def _warn_unused(self, units: list[Unit]) -> None:
-        names = [
-            slot.name
-            for unit in units
-            for fp, used in zip(unit.grad_flat_params, unit.used)
-            for slot, u in zip(fp.layout.slots, used.tolist())
-            if not u and slot.name not in self._warned_unused
-        ]
-        if names:
-            self._warned_unused.update(names)
-            warnings.warn(
-                f"[rank {self.comm.rank}] parameters got no gradient in a unit that ran backward and receive a zero"
-                f" gradient: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}. HINT: pass"
-                " find_unused_parameters=True to leave their gradients None, as DDP does.",
-                stacklevel=2,
-            )
 
     # ---- what the strategy (or a plain training loop) calls ----
 
@@ -205,6 +191,20 @@ class ShardedModel:
             self._root_held = False
             if not keep_root_gathered:
                 self.root.reshard()
+
+    def verify_collectives(self) -> None:
+        """From now on every collective of this model's ``Comm`` is checked on every rank before its data is
+        used (verify.py); a mismatch at a unit's collective names the unit and the fix. Collective (every rank)."""
+        limit = max((fp.layout.shard_numel * max(d.itemsize for d in (fp.compute_dtype, fp.reduce_dtype, fp.master.dtype))
+                     for fp in self.flat_params), default=0)  # bytes: the largest shard any call may send
+        limit = max(limit, collectives.MIN_LIMIT)
+        headers = collectives.enable_verification(self.comm, limit, builtin=self.config.transport == "builtin")
+        if headers is None:
+            return
+        names = [fp.layout.name for fp in self.flat_params]
+        headers.know(*names, *(f"{what} {n}" for n in names for what in ("state_dict", "optimizer state")))
+        units = {fp.layout.name: unit.module_path for unit in self.units for fp in unit.flat_params}
+        headers.explain = functools.partial(divergent_units.explain, self.module, units, bool(self.config.unit_types))
 
     def broadcast_buffers(self) -> None:
         """Give every rank rank 0's buffers: one broadcast per buffer dtype (DDP's broadcast_buffers)."""
@@ -241,21 +241,33 @@ class ShardedModel:
                 unit.reshard()
         for fp in stepped:
             gradients.release(fp)
-            if self.config.stage is Stage.PARAMETERS:
-                fp.shard_from_master()
-        for unit in self.units:
-            unit.gather_after_step(stepped)
-        self.root.wait_gathers()  # the root's parameters may be used anywhere, with no hook to wait in
+        self.refresh(stepped)
         if not self._root_held:
             self.root.reshard()
 
-    def gather_full(self, fp: FlatParam) -> Tensor:
-        """Collective: the full values of ``fp`` in master precision (1-D, padded_numel), on every rank."""
+    def refresh(self, changed: set[FlatParam]) -> None:
+        """After the master shards of ``changed`` changed (an optimizer step, a load, a writeback): refresh
+        their compute shards, re-gather the full buffers that are resident (stages 1-2) or gathered now,
+        and wait, so that weights are current on every rank whenever user code can run next (a callback
+        in ``on_train_batch_end`` reads them). The all-gathers of all units travel together."""
+        for fp in changed:
+            fp.shard_from_master()
+        for unit in self.units:
+            unit.launch_refresh(changed)
+        if self._overlap_refresh:  # benchmarks only: what waiting here costs
+            self.root.wait_gathers()
+        else:
+            self.wait_gathers()
+
+    def gather_full(self, fp: FlatParam, shard: Tensor | None = None) -> Tensor:
+        """Collective: the full values of ``fp`` in master precision (1-D, padded_numel), on every rank;
+        of ``shard`` (1-D, S, e.g. its average) in place of the master shard if given."""
         self.wait_gathers()
-        if fp.master is fp.shard and (fp.resident_full or fp.layout.world_size == 1):
+        shard = fp.master if shard is None else shard
+        if shard is fp.shard and (fp.resident_full or fp.layout.world_size == 1):
             return fp.full
-        out = torch.empty(fp.layout.padded_numel, dtype=fp.master.dtype, device=fp.master.device)
-        collectives.all_gather(out, fp.master, self.comm, label=f"state_dict {fp.layout.name}")
+        out = torch.empty(fp.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        collectives.all_gather(out, shard, self.comm, label=f"state_dict {fp.layout.name}")
         return out
 
 
@@ -278,7 +290,10 @@ def shard_model(
             f" {existing.comm.world_size}). HINT: create a fresh module, or reuse the same strategy options."
         )
     uses = param_uses(module)
-    unit_paths = choose_unit_paths(module, config)
+    choice = choose_units(module, config)
+    unit_paths = choice.paths
+    if choice.declined and comm.rank == 0:
+        _warn_declined(module, choice.declined)
     owners = {id(use.param): owning_unit(use, unit_paths) for use in uses}
     _check_same_layout(module, uses, owners, comm)
     groups = {path: group_flat_params(path, [u for u in uses if owners[id(u.param)] == path], comm.world_size)
@@ -308,6 +323,17 @@ def shard_model(
     module.register_state_dict_post_hook(_refuse_placeholders)
     _SHARDED[module] = sharded
     return sharded
+
+
+def _warn_declined(module: nn.Module, declined: list[str]) -> None:
+    kinds = sorted({type(next(module.get_submodule(path).children())).__name__ for path in declined})
+    warnings.warn(
+        f"the repeated blocks in {', '.join(map(repr, declined))} ({', '.join(kinds)}) are not made units: nothing"
+        " shows that every forward runs all of them (experts of a mixture-of-experts layer, a block chosen by the"
+        " step), so they stay in the enclosing unit, gathered whole on every rank. HINT: if every rank always runs"
+        " every one of them, name their class in unit_classes=[...] to shard them one by one.",
+        stacklevel=3,
+    )
 
 
 def _new_flat_param(layout: FlatParamLayout, config: ShardLabConfig, comm: Comm, policy: PrecisionPolicy) -> FlatParam:

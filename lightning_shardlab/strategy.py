@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -19,6 +19,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -35,12 +36,30 @@ from lightning_shardlab import checkpoint as ckpt
 from lightning_shardlab import collectives
 from lightning_shardlab.collectives import Comm
 from lightning_shardlab.config import Accumulation, ShardLabConfig
+from lightning_shardlab.gathered import Modules, gathered_params
 from lightning_shardlab.materialize import has_meta
 from lightning_shardlab.optimizer import global_grad_norm, shard_optimizer
 from lightning_shardlab.precision import ShardLabPrecision, shardlab_precision
 from lightning_shardlab.sanity_callback import ShardLabSanity
 from lightning_shardlab.sanity_guard import SanityConfig, SanityGuard
 from lightning_shardlab.shard_model import ShardedModel, shard_model
+
+
+METRIC_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min", None: "mean",
+              ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
+
+
+def refuse_unsharded_callbacks(callbacks: list[Any]) -> None:
+    """Lightning's weight averaging deep-copies the whole module on every rank and reads its weights, which
+    at stage 3 are placeholders: refused, on every rank, naming the sharded replacement."""
+    for callback in callbacks:
+        if isinstance(callback, (WeightAveraging, StochasticWeightAveraging)):
+            raise ValueError(
+                f"{type(callback).__name__} keeps an unsharded copy of the whole model on every rank, which the shardlab"
+                " strategy does not support (at stage 3 the module holds only placeholders between steps). HINT: use"
+                " lightning_shardlab.ShardLabEMA(decay=...), which keeps each rank's share of the average and gives"
+                " EMAWeightAveraging's numbers."
+            )
 
 
 class ShardLabStrategy(ParallelStrategy):
@@ -54,8 +73,8 @@ class ShardLabStrategy(ParallelStrategy):
         reshard_after_forward: stage 3: free gathered parameters after forward (False is torch's
             SHARD_GRAD_OP: keep them until the unit's backward, trading memory for one all-gather).
         accumulation: 'reduce' every micro-batch into gradient shards, or 'defer' to the last one.
-        find_unused_parameters: leave the gradients of parameters that no rank used as None, like DDP
-            (one small all-reduce per backward).
+        find_unused_parameters: leave the gradients of parameters that no rank used as None, like a single
+            device and DDP (one small all-reduce per optimizer step). False trades that for a zero gradient.
         broadcast_buffers: before each training step, copy rank 0's buffers (BatchNorm statistics) to
             every rank, as DDP does.
         reduce_dtype: 'fp32', 'bf16' or 'fp16': what gradients are reduce-scattered in (default: fp32 under
@@ -72,6 +91,8 @@ class ShardLabStrategy(ParallelStrategy):
         sanity_every_n_steps: before every K-th training batch compare collective fingerprints, replicated
             state and batches across ranks (one tiny all-gather each); 0: off. See docs/sanity.md.
         strict_collectives: debug mode: compare every collective's fingerprint across ranks before it runs.
+        verify_collectives: every collective carries its fingerprint in a header checked before its payload
+            is used, so ranks that part raise a named error at that collective (not a hang or gloo's abort).
         collective_timeout_s: end the run on every rank, with a report of what each rank waits on, when a
             collective has not finished after this long (None: no watchdog).
         handle_sigterm: SIGTERM on any rank stops every rank after the same step.
@@ -86,7 +107,7 @@ class ShardLabStrategy(ParallelStrategy):
         min_unit_params: int = 0,
         reshard_after_forward: bool = True,
         accumulation: str = "reduce",
-        find_unused_parameters: bool = False,
+        find_unused_parameters: bool = True,
         broadcast_buffers: bool = True,
         reduce_dtype: str | None = None,
         transport: str = "auto",
@@ -98,6 +119,7 @@ class ShardLabStrategy(ParallelStrategy):
         state_dict_type: str = "sharded",
         sanity_every_n_steps: int = 10,
         strict_collectives: bool = False,
+        verify_collectives: bool = True,
         collective_timeout_s: float | None = 300.0,
         handle_sigterm: bool = True,
         accelerator: Accelerator | None = None,
@@ -120,6 +142,7 @@ class ShardLabStrategy(ParallelStrategy):
         self.comm: Comm | None = None
         self.sharded: ShardedModel | None = None
         self.sanity_config = SanityConfig(every_n_steps=sanity_every_n_steps, strict_collectives=strict_collectives,
+                                          verify_collectives=verify_collectives,
                                           collective_timeout_s=collective_timeout_s, handle_sigterm=handle_sigterm)
         self.sanity: SanityGuard | None = None
         self._sanity_batches = 0
@@ -186,6 +209,8 @@ class ShardLabStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            refuse_unsharded_callbacks(self.lightning_module.trainer.callbacks)  # before any collective
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -230,6 +255,8 @@ class ShardLabStrategy(ParallelStrategy):
         plugin.device_type = self.root_device.type
         self.sharded = shard_model(self.lightning_module, self.config, self.comm, plugin.policy(self.config.reduce_dtype))
         self.comm = self.sharded.comm  # a module sharded by an earlier Trainer keeps its comm and ledger
+        if self.sanity_config.verify_collectives:
+            self.sharded.verify_collectives()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -266,11 +293,17 @@ class ShardLabStrategy(ParallelStrategy):
 
     # ---- steps ----
 
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers on every rank before each forward of fit (training and validation), as DDP does."""
+        assert self.sharded is not None and self.lightning_module is not None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and self.config.broadcast_buffers and self.world_size > 1:
+            self.sharded.broadcast_buffers()
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.sharded is not None and self.lightning_module is not None
-        if self.config.broadcast_buffers and self.world_size > 1:
-            self.sharded.broadcast_buffers()
+        self._broadcast_buffers()
         # automatic optimisation runs backward after the step: the root stays gathered for it
         with self.sharded.step(keep_root_gathered=self.lightning_module.automatic_optimization):
             return super().training_step(*args, **kwargs)
@@ -278,6 +311,7 @@ class ShardLabStrategy(ParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.sharded is not None
+        self._broadcast_buffers()
         with self.sharded.step(keep_root_gathered=False):
             return super().validation_step(*args, **kwargs)
 
@@ -361,7 +395,17 @@ class ShardLabStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
+        """Metrics (``self.log(..., sync_dist=True)``) and Lightning's decisions: through collectives.py, so they
+        are verified and the watchdog sees them wait; other groups and operations go to Lightning's helper."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        op = METRIC_OPS.get(reduce_op.lower() if isinstance(reduce_op, str) else reduce_op)
+        if self.comm is None or group is not None or op is None or not _distributed_is_initialized():
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        collectives.all_reduce(tensor, self.comm, op="sum" if op == "mean" else op, label="metrics")
+        if op != "mean":
+            return tensor
+        return tensor.div_(self.world_size) if tensor.is_floating_point() else tensor.copy_(tensor / self.world_size)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -376,10 +420,18 @@ class ShardLabStrategy(ParallelStrategy):
 
     # ---- state dicts and checkpoints ("sharded" directories or "full" files: checkpoint.py) ----
 
-    def full_state_dict(self) -> dict[str, Any]:
-        """Collective: the unsharded ``module.state_dict()`` (CPU tensors) on global rank 0, ``{}`` elsewhere."""
+    def full_state_dict(self, ema: bool = False) -> dict[str, Any]:
+        """Collective: the unsharded ``module.state_dict()`` (CPU tensors) on global rank 0, ``{}`` elsewhere;
+        with ``ema=True``, the averaged weights of ``ShardLabEMA``."""
         assert self.sharded is not None, "full_state_dict() needs the model set up by trainer.fit/validate/..."
-        return ckpt.full_state_dict(self.sharded)
+        return ckpt.full_state_dict(self.sharded, ema=ema)
+
+    def gathered_params(self, modules: Modules = None, writeback: bool = False) -> AbstractContextManager[None]:
+        """Collective: ``with trainer.strategy.gathered_params(modules=None, writeback=False):`` gives the
+        module the full weights (fp32 masters) of the units owning ``modules``' parameters (every unit if None)
+        for the block; with ``writeback=True`` changes made inside go back to every rank's shards (gathered.py)."""
+        assert self.sharded is not None, "gathered_params() needs the model set up by trainer.fit/validate/..."
+        return gathered_params(self.sharded, modules, writeback)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -6,7 +6,8 @@ the chunks directly: every rank sends each peer the chunk that peer needs and re
 each peer (``batch_isend_irecv``; one round; N-1 sends and N-1 receives). ``collectives.choose_transports``
 times both on the sizes the model will move and keeps the faster for each operation; NCCL keeps its own.
 
-Both return ``(works, finish)``: the launched works and a step to run once they are done.
+Both return a ``Launched``: the works in flight and a step to run once they are done. (With verified
+collectives on gloo, wire.py carries every call instead: the pairwise exchange plus a header each way.)
 """
 
 from __future__ import annotations
@@ -14,13 +15,24 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-Launched = tuple[list[Any], Callable[[], None] | None]
+
+
+@dataclass
+class Launched:
+    """A collective in flight: wait for ``first``, run ``check``, wait for ``works``, then run ``finish``.
+    (``first`` and ``check``: the header of a verified call, checked before its payload is used.)"""
+
+    works: list[Any]
+    finish: Callable[[], None] | None = None
+    first: list[Any] = field(default_factory=list)
+    check: Callable[[], None] | None = None
 
 AG_TAG, RS_TAG = 11, 12  # separate channels, so an all-gather and a reduce-scatter in flight never pair up
 
@@ -30,11 +42,11 @@ class Builtin:
 
     @staticmethod
     def all_gather(out: Tensor, inp: Tensor, group: Any, rank: int, world: int) -> Launched:
-        return [dist.all_gather_single(out, inp, group=group, async_op=True)], None
+        return Launched([dist.all_gather_single(out, inp, group=group, async_op=True)])
 
     @staticmethod
     def reduce_scatter_sum(out: Tensor, inp: Tensor, group: Any, rank: int, world: int) -> Launched:
-        return [dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)], None
+        return Launched([dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)])
 
 
 class Pairwise:
@@ -47,9 +59,9 @@ class Pairwise:
         ops = []
         for peer in range(world):
             if peer != rank:
-                ops.append(dist.P2POp(dist.isend, inp, _global(group, peer), group, AG_TAG))
-                ops.append(dist.P2POp(dist.irecv, out[peer * s : (peer + 1) * s], _global(group, peer), group, AG_TAG))
-        return dist.batch_isend_irecv(ops), None
+                ops.append(dist.P2POp(dist.isend, inp, global_rank(group, peer), group, AG_TAG))
+                ops.append(dist.P2POp(dist.irecv, out[peer * s : (peer + 1) * s], global_rank(group, peer), group, AG_TAG))
+        return Launched(dist.batch_isend_irecv(ops))
 
     @staticmethod
     def reduce_scatter_sum(out: Tensor, inp: Tensor, group: Any, rank: int, world: int) -> Launched:
@@ -57,8 +69,8 @@ class Pairwise:
         received = {peer: torch.empty_like(out) for peer in range(world) if peer != rank}
         ops = []
         for peer, buf in received.items():
-            ops.append(dist.P2POp(dist.isend, inp[peer * s : (peer + 1) * s], _global(group, peer), group, RS_TAG))
-            ops.append(dist.P2POp(dist.irecv, buf, _global(group, peer), group, RS_TAG))
+            ops.append(dist.P2POp(dist.isend, inp[peer * s : (peer + 1) * s], global_rank(group, peer), group, RS_TAG))
+            ops.append(dist.P2POp(dist.irecv, buf, global_rank(group, peer), group, RS_TAG))
 
         def finish() -> None:  # sum in rank order on every rank: deterministic, whatever arrives first
             chunks = [received[p] if p != rank else inp[rank * s : (rank + 1) * s] for p in range(world)]
@@ -66,13 +78,14 @@ class Pairwise:
             for chunk in chunks[2:]:
                 out.add_(chunk)
 
-        return dist.batch_isend_irecv(ops), finish
+        return Launched(dist.batch_isend_irecv(ops), finish)
 
 
 TRANSPORTS = {t.name: t for t in (Builtin, Pairwise)}
 
 
-def _global(group: Any, peer: int) -> int:
+def global_rank(group: Any, peer: int) -> int:
+    """``peer``'s rank in the default group (what point-to-point calls take) from its rank in ``group``."""
     return peer if group is None else dist.get_global_rank(group, peer)
 
 
@@ -80,11 +93,11 @@ def _seconds(run: Callable[[], Launched], repeats: int) -> float:
     samples = []
     for i in range(repeats + 1):
         start = time.perf_counter()
-        works, finish = run()
-        for work in works:
+        launched = run()
+        for work in launched.works:
             work.wait()
-        if finish is not None:
-            finish()
+        if launched.finish is not None:
+            launched.finish()
         if i:  # the first is a warm-up
             samples.append(time.perf_counter() - start)
     return statistics.median(samples)

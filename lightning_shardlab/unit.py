@@ -19,8 +19,9 @@ from lightning_shardlab.flat_param import FlatParam, storage_is_allocated
 
 
 class UnitState(Enum):
-    SHARDED = "sharded"
-    UNSHARDED = "unsharded"
+    SHARDED = "sharded"  # the module holds placeholders (stage 3 at rest)
+    UNSHARDED = "unsharded"  # the module holds the unsharded params, views of the full buffers
+    SUMMONED = "summoned"  # the module holds full master-precision copies for the user (gathered.py)
 
 
 Registration = tuple[nn.Module, str]  # (module, attribute name) a parameter is registered under
@@ -37,6 +38,7 @@ class Unit:
         reshard_at_rest: bool,
     ) -> None:
         self.name = name or "root"
+        self.module_path = name  # "" for the root
         self.is_root = not name
         self.module = module
         self.flat_params = flat_params
@@ -88,7 +90,7 @@ class Unit:
     def unshard(self) -> None:
         """All-gather every flat parameter (unless prefetched) and point the module at the unsharded params."""
         self.wait_gathers()
-        if self.state is UnitState.UNSHARDED:
+        if self.state is not UnitState.SHARDED:
             return
         self._expect(UnitState.SHARDED, "unshard")
         self.prefetch()
@@ -100,7 +102,7 @@ class Unit:
     def reshard(self) -> None:
         """Point the module at the placeholders and free the full buffers (stage 3 only); also drops a
         prefetch that was not used."""
-        if not self.reshard_at_rest:
+        if not self.reshard_at_rest or self.state is UnitState.SUMMONED:
             return
         self.wait_gathers()
         if self.state is UnitState.UNSHARDED:
@@ -144,18 +146,22 @@ class Unit:
                     used[i] = True
         self.grads_pending = True
 
-    def reduce_grads(self, async_op: bool = True) -> None:
-        """1. lay the unsharded grads out as the flat grad  2. launch its reduce-scatter  3. drop the grads."""
+    def reduce_grads(self, async_op: bool = True) -> list[tuple[FlatParam, Tensor]]:
+        """1. lay the unsharded grads out as the flat grad  2. launch its reduce-scatter  3. drop the grads.
+        Returns each flat parameter with its flat grad: this rank's own gradient, before the reduction."""
+        launched = []
         for fp in self.grad_flat_params:
             flat = gradients.flat_grad(fp)  # 1-D, padded_numel, reduce dtype
             new_shard = torch.empty(fp.layout.shard_numel, dtype=flat.dtype, device=flat.device)  # 1-D, S
             pending = collectives.reduce_scatter(new_shard, flat, self.comm, label=fp.layout.name, async_op=True)
             self._pending.append((fp, flat, new_shard, pending))
+            launched.append((fp, flat))
             for param in fp.unsharded_params:
                 param.grad = None
         self.reduced = True
         if not async_op:
             self.wait_reductions()
+        return launched
 
     def wait_reductions(self) -> None:
         """Wait for launched reduce-scatters and add their results into the grad shards."""
@@ -176,17 +182,31 @@ class Unit:
         for used in self.used:
             used.zero_()
 
-    def gather_after_step(self, stepped: set[FlatParam]) -> None:
-        """Refresh full buffers from the shards an optimizer just updated: always at stages 1-2 (resident),
-        and at stage 3 for a unit that is gathered right now (the root within a manually optimised step).
-        Launched, not waited: the unit waits in its next ``unshard`` (its forward), so the all-gathers of
-        later units travel while earlier ones compute."""
-        if self.state is UnitState.SHARDED:
+    def launch_refresh(self, stepped: set[FlatParam]) -> None:
+        """Launch the all-gathers that refresh the full buffers from shards just updated (by an optimizer
+        step or a load): always at stages 1-2 (resident), and at stage 3 for a unit gathered right now
+        (the root within a manually optimised step). The caller waits for them (``wait_gathers``)."""
+        if self.state is not UnitState.UNSHARDED:
             return
         for fp in self.flat_params:
             if fp in stepped and (fp.resident_full or fp.gathers):
-                fp.shard_from_master()
                 self._gathering.append(
                     collectives.all_gather(fp.full, fp.shard, self.comm, label=fp.layout.name, async_op=True)
                 )
 
+    # ---- full copies for the user (gathered.py) ----
+
+    def summon(self, params_per_fp: list[list[nn.Parameter]]) -> UnitState:
+        """Point the module at the given full copies; returns the state to go back to (``unsummon``)."""
+        if self.state is UnitState.SUMMONED or self.in_backward or self._gathering:
+            raise RuntimeError(f"[rank {self.comm.rank}] cannot gather unit {self.name!r} for the user: it is"
+                               f" {self.state.value}{' and in backward' if self.in_backward else ''}.")
+        previous, self.state = self.state, UnitState.SUMMONED
+        self._register(params_per_fp)
+        return previous
+
+    def unsummon(self, previous: UnitState) -> None:
+        self._expect(UnitState.SUMMONED, "return the user's full copies of")
+        self.state = previous
+        self._register([fp.unsharded_params if previous is UnitState.UNSHARDED else fp.placeholders
+                        for fp in self.flat_params])

@@ -5,8 +5,8 @@ the last one finished, where its main thread is) through the rendezvous store (s
 store keeps answering while the backend waits) and watches for three faults:
 
     hang      this rank's main thread has been blocked in a collective for ``timeout_s`` with no collective
-              started or finished meanwhile (blocked: its innermost frame is a collective's wait, seen
-              by sampling its stack; so an async collective launched early and waited late is no hang)
+              started or finished meanwhile (blocked: the collectives count themselves in ``Comm.waiting``
+              while they wait; so an async collective launched early and waited late is no hang)
     failure   a rank reported an exception (``handle_exception``: from on_exception, or the guard)
     death     rank 0 watches the others: a process on its host that is gone, or a rank on another host
               whose heartbeat stopped for ``heartbeat_timeout_s``; every rank notices a store that is
@@ -238,7 +238,7 @@ class Watchdog(CollectiveObserver):
 
     def _sample(self) -> tuple[bool, str | None]:
         """Where the main thread is, and whether it is blocked in a collective; keeps ``_blocked_since``."""
-        blocked, where = sample_main_thread()
+        blocked, where = self.comm.waiting > 0, sample_main_thread()  # the collectives say when they wait
         last = self._last[0]
         progress = (self.comm.seq, None if last is None else last.seq)
         if not blocked or progress != self._progress:
@@ -300,25 +300,15 @@ class Watchdog(CollectiveObserver):
             time.sleep(0.05)
 
 
-def sample_main_thread() -> tuple[bool, str | None]:
-    """(blocked, where): whether the main thread's innermost frame is waiting in a collective (shardlab's
-    collectives, torch.distributed, or the strict check's store wait), and ``path:line in function`` of its
-    innermost frame in user code (outside torch, Lightning and this package)."""
+def sample_main_thread() -> str | None:
+    """``path:line in function`` of the main thread's innermost frame in user code (outside torch, Lightning
+    and this package): where a hang report says a rank is."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
-        return False, None
+        return None
     frames = traceback.StackSummary.extract(traceback.walk_stack(frame), lookup_lines=False)
-    inner = frames[0] if frames else None
-    blocked = inner is not None and (inner.filename.endswith(_WAITING_FILES) or
-                                     (inner.filename.endswith("sanity.py") and inner.name == "_wait"))
     package = os.path.dirname(__file__)
     user = [f for f in frames if "site-packages" not in f.filename and not f.filename.startswith(package)
             and "/lib/python" not in f.filename]
     f = (user or list(frames) or [None])[0]
-    return blocked, None if f is None else f"{f.filename}:{f.lineno} in {f.name}"
-
-
-_WAITING_FILES = tuple(os.path.join(*parts) for parts in (
-    ("lightning_shardlab", "collectives.py"), ("lightning_shardlab", "transport.py"),
-    ("torch", "distributed", "distributed_c10d.py"), ("torch", "distributed", "c10d_logger.py"),
-))
+    return None if f is None else f"{f.filename}:{f.lineno} in {f.name}"

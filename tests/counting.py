@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce", "broadcast", "all_gather_object",
-               "broadcast_object_list", "all_gather", "reduce_scatter", "barrier")
+               "broadcast_object_list", "all_gather", "reduce_scatter", "barrier", "all_gather_into_tensor")
 
 
 def live_cpu_bytes(exclude: Iterable[torch.Tensor] = ()) -> int:

@@ -5,7 +5,9 @@ backward, and reduce-scatters its gradient once. The root unit is gathered once 
 (its parameters serve the whole step, as in torch's FSDP), so it has one all-gather; so has, from the
 second step on, the unit that ran forward last (it stays gathered for its backward, which comes
 next). With reshard_after_forward=False every unit is gathered once. Stages 1 and 2 reduce-scatter
-once and all-gather the updated shards once after the optimizer step.
+once and all-gather the updated shards once after the optimizer step. Every stage adds one all-reduce
+per optimizer step: which parameters got a gradient on any rank (find_unused_parameters, on by default).
+Under the strategy, every collective is preceded by its verification header (one all_gather_into_tensor).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def test_collectives_per_step(stage: int, reshard_after_forward: bool) -> None:
                 gathers = root + other
             else:
                 gathers = root + other  # once, after the optimizer step
-            assert counts == {"all_gather_single": gathers, "reduce_scatter_single": root + other}, step
+            assert counts == {"all_gather_single": gathers, "reduce_scatter_single": root + other, "all_reduce": 1}, step
 
 
 def test_world_size_one_issues_no_collective() -> None:
@@ -116,7 +118,8 @@ def test_collectives_per_step_with_gradient_accumulation(stage: int, accumulatio
         all_gathers = micro * steps * (root + 2 * other) - (micro * steps - 1)
     else:
         all_gathers = (root + other) * steps
-    assert report["counts"] == {"reduce_scatter_single": reductions * steps, "all_gather_single": all_gathers}
+    ours = {"reduce_scatter_single": reductions * steps, "all_gather_single": all_gathers, "all_reduce": steps}
+    assert report["counts"] == {**ours, "all_gather_into_tensor": sum(ours.values())}  # + one header per call
     assert report["lightning_broadcasts"] == micro * steps
 
 

@@ -51,8 +51,8 @@ SCENARIOS = {
     "cnn_batchnorm_sgd_steplr": Scenario(TinyCNN, image_dataset, {"max_epochs": 3, "max_steps": -1}),
     # each training step steps two optimizers, and Lightning counts optimizer steps
     "manual_two_optimizers_clip": Scenario(ManualNet, regression_dataset, {"max_steps": 12}),
-    "unused_layer_alternating_branch": Scenario(BranchyNet, regression_dataset, {},
-                                                {"find_unused_parameters": True}, ddp="ddp_find_unused_parameters_true"),
+    "unused_layer_alternating_branch": Scenario(BranchyNet, regression_dataset, {}, {},  # default options
+                                                ddp="ddp_find_unused_parameters_true"),
 }
 
 

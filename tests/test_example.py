@@ -57,11 +57,19 @@ def assert_budget_printed(output: str, stage: int) -> None:
     assert "shardlab budget" in output, output[-3000:]
     budget = output[output.index("shardlab budget"):]
     assert re.search(rf"stage\s+{stage}\b", budget), budget[:1000]
+    # printed whole although the output is a pipe (rich would fit it to 80 columns and clip cells with "…")
+    assert "…" not in budget and all(c in budget for c in ("optimizer_state", "padding", "gathered_peak")), budget[:3000]
 
 
 def shardlab(*args: str, cwd: Path) -> str:
     assert SHARDLAB.exists(), f"{SHARDLAB} is missing. HINT: pip install -e . (it installs the `shardlab` command)"
     return run_command([str(SHARDLAB), *args], cwd, timeout=120)
+
+
+def test_help_lists_every_subcommand_tools_included(tmp_path: Path) -> None:
+    output = shardlab("--help", cwd=tmp_path)
+    for subcommand in ("fit", "validate", "test", "predict", "plan", "consolidate", "inspect"):
+        assert re.search(rf"^  {subcommand}\s", output, re.M), output
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +197,8 @@ def test_finetune_script_quick(tmp_path: Path) -> None:
     assert_budget_printed(finetuning, stage=3)
     runs = tmp_path / "runs/quick"
     assert (runs / "finetune/loss.png").stat().st_size > 0
+    assert "vital signs of every rank (dashboard): runs/quick/finetune/vitals/vitals.html" in output
+    assert "data:image/png;base64," in (runs / "finetune/vitals/vitals.html").read_text()
     final = torch.load(runs / "finetune/gpt.ckpt", map_location="cpu", weights_only=True)
     pretrained = torch.load(runs / "pretrain/gpt.ckpt", map_location="cpu", weights_only=True)
     assert list(final["state_dict"]) == list(pretrained["state_dict"])

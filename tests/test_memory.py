@@ -1,4 +1,4 @@
-"""Memory per stage, between steps, for fp32 AdamW (the ZeRO table, DESIGN.md section 3).
+"""Memory per stage, between steps, for fp32 AdamW (the ZeRO table).
 
 stage 3: 4P/N parameters + 4P/N gradients + 8P/N Adam moments = 16P/N
 stage 2: 4P full parameters + 4P/N gradient shard + 8P/N moments

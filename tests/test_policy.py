@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from lightning_shardlab import Comm, ShardLabConfig, shard_model
-from lightning_shardlab.policy import choose_unit_paths, owning_unit, param_uses
+from lightning_shardlab.policy import choose_unit_paths, choose_units, owning_unit, param_uses
 from tests.models import OddNet, TinyGPT
 
 
@@ -61,3 +62,30 @@ def test_stages_1_and_2_keep_real_parameters_on_the_module() -> None:
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     shard_model(model, ShardLabConfig(stage=2), Comm.single())
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+
+
+def test_default_units_need_evidence_that_every_forward_runs_every_block() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.models import BranchyNet, ByIndex, Checkpointed, DictValues, MoENet, Reused, SkipsOne
+
+    def units(model: nn.Module) -> list[str]:
+        return choose_units(model, ShardLabConfig()).paths
+
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=40, bos_token_id=0, eos_token_id=0))
+    assert units(hf) == ["", "transformer.h.0", "transformer.h.1"]  # `for i, block in enumerate(self.h)`
+    assert units(nn.Sequential(*[nn.Linear(3, 3) for _ in range(3)])) == ["", "0", "1", "2"]
+    for model in (DictValues("dict"), Checkpointed(), Reused()):
+        assert units(model) == ["", "layers.0", "layers.1", "layers.2"], type(model).__name__
+    # data- or step-dependent: the blocks stay in the enclosing unit, and the policy says why
+    for model, declined in ((MoENet(experts=4), "moe.experts"), (BranchyNet(), "branches"),
+                            (SkipsOne(), "layers"), (ByIndex(), "layers")):
+        choice = choose_units(model, ShardLabConfig())
+        assert choice.paths == [""] and choice.declined == [declined], (type(model).__name__, choice)
+    with pytest.warns(UserWarning, match=r"'moe\.experts' \(Expert\) are not made units.*unit_classes"):
+        shard_model(MoENet(experts=4), ShardLabConfig(), Comm.single())
+    # MoE blocks run in order: the blocks are units, the experts inside them are not considered
+    assert units(MoENet(experts=6, top_k=2, blocks=2)) == ["", "blocks.0", "blocks.1"]
+    # the user's word overrides the evidence
+    assert choose_units(MoENet(), ShardLabConfig(unit_classes=("tests.models.Expert",))).paths[1:] == [
+        f"moe.experts.{i}" for i in range(4)]

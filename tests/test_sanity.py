@@ -30,14 +30,21 @@ from tests.reference import init_from_env, shutdown
 from tests.test_trainer import QUIET
 
 
+class SkippableBlock(Block):
+    pass
+
+
 class SkippableNet(nn.Module):
-    """Three same-shaped block units, a frozen one, a replicated buffer, BatchNorm statistics; ``skip``
-    leaves one block out of forward (the fault: a unit, and so its collectives, skipped on one rank)."""
+    """Three same-shaped block units, a frozen block, a replicated buffer, BatchNorm statistics; ``skip``
+    leaves one block out of forward (the fault: a unit, and so its collectives, skipped on one rank). The
+    default policy would not make units of blocks run under an ``if``: the fault needs them named."""
+
+    UNITS = ("tests.test_sanity.SkippableBlock",)
 
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(7, 15)
-        self.blocks = nn.ModuleList([Block(15) for _ in range(3)])
+        self.blocks = nn.ModuleList([SkippableBlock(15) for _ in range(3)])
         self.frozen = Block(15).requires_grad_(False)
         self.norm = nn.BatchNorm1d(15)
         self.out = nn.Linear(15, 3)
@@ -80,25 +87,27 @@ def _inject(name: str, step: int, rank: int, model: SkippableNet, sharded, optim
         state["step"] += 1
 
 
-SCENARIOS = {  # name: (stage, every_n_steps, strict)
-    "mismatch_strict": (3, 3, True), "skip_strict": (3, 3, True), "mismatch_cheap": (3, 2, False),
-    "ulp_param": (2, 3, False), "ulp_frozen": (1, 3, False), "ulp_buffer": (3, 3, False), "lr": (1, 3, False),
-    "step_counter": (3, 3, False), "duplicate": (3, 2, False),
+SCENARIOS = {  # name: (stage, every_n_steps, strict, verified)
+    "mismatch_strict": (3, 3, True, False), "skip_strict": (3, 3, True, False), "mismatch_cheap": (3, 2, False, False),
+    "mismatch_verified": (3, 3, False, True), "skip_verified": (3, 3, False, True),
+    "ulp_param": (2, 3, False, True), "ulp_frozen": (1, 3, False, True), "ulp_buffer": (3, 3, False, True),
+    "lr": (1, 3, False, True), "step_counter": (3, 3, False, True), "duplicate": (3, 2, False, True),
 }
 
 
 def run_scenario(name: str, steps: int = 8) -> dict:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    stage, every, strict = SCENARIOS[name]
+    stage, every, strict, verified = SCENARIOS[name]
     comm = Comm(rank=rank, world_size=world, device=torch.device("cpu"))
     torch.manual_seed(0)
     model = SkippableNet()
-    sharded = shard_model(model, ShardLabConfig(stage=stage), comm)
+    sharded = shard_model(model, ShardLabConfig(stage=stage, unit_classes=SkippableNet.UNITS), comm)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     shard_optimizer(optimizer, sharded)
     g = torch.Generator().manual_seed(1)
-    config = SanityConfig(every_n_steps=every, strict_collectives=strict, collective_timeout_s=None, handle_sigterm=False)
-    step = -1
+    config = SanityConfig(every_n_steps=every, strict_collectives=strict, verify_collectives=verified,
+                          collective_timeout_s=None, handle_sigterm=False)
+    step, before_rogue = -1, 0
     try:
         with SanityGuard(sharded, [optimizer], config) as guard, counting_collectives() as calls:
             for step in range(steps):
@@ -106,9 +115,10 @@ def run_scenario(name: str, steps: int = 8) -> dict:
                 mine = 0 if name == "duplicate" and step == 4 and rank == 2 else rank
                 batch = (x[2 * mine : 2 * mine + 2], y[2 * mine : 2 * mine + 2])
                 guard.before_step(step, batch)
-                if name == "mismatch_strict" and step == 2:
+                if name in ("mismatch_strict", "mismatch_verified") and step == 2:  # sizes differ: gloo would abort
+                    before_rogue = calls["all_reduce"]
                     collectives.all_reduce(torch.zeros(5 if rank == 2 else 4), comm, label="rogue")
-                model.skip = 1 if name == "skip_strict" and step == 2 and rank == 1 else None
+                model.skip = 1 if name in ("skip_strict", "skip_verified") and step == 2 and rank == 1 else None
                 optimizer.zero_grad()
                 with sharded.step(keep_root_gathered=True):
                     loss = F.mse_loss(model(batch[0]), batch[1])
@@ -117,7 +127,8 @@ def run_scenario(name: str, steps: int = 8) -> dict:
                 optimizer.step()
                 _inject(name, step, rank, model, sharded, optimizer, comm)
     except (CollectiveMismatch, DivergenceError, DuplicateDataError) as error:
-        return {"error": type(error).__name__, "message": str(error), "step": step, "rogue_ran": calls["all_reduce"]}
+        rogue_ran = calls["all_reduce"] - before_rogue if name.startswith("mismatch_") else None
+        return {"error": type(error).__name__, "message": str(error), "step": step, "rogue_ran": rogue_ran}
     return {"error": None, "step": step}
 
 
@@ -137,24 +148,30 @@ def _each_rank(reports: list[dict], name: str) -> list[dict]:
     return [r[name] for r in reports]
 
 
-def test_strict_mode_stops_a_mismatched_collective_before_it_runs(fault_reports: list[dict]) -> None:
-    for rank, r in enumerate(_each_rank(fault_reports, "mismatch_strict")):
+@pytest.mark.parametrize(("name", "check"), [("mismatch_strict", "strict check"), ("mismatch_verified", "verified")])
+def test_a_mismatched_collective_is_stopped_before_it_runs(fault_reports: list[dict], name: str, check: str) -> None:
+    """Strict mode through the store; verified collectives (the default) by their header."""
+    for rank, r in enumerate(_each_rank(fault_reports, name)):
         assert r["error"] == "CollectiveMismatch" and r["step"] == 2, r
         assert r["message"].startswith(f"[rank {rank}] collective #")
         assert "rank 0, 1 issued" in r["message"] and "all_reduce 'rogue' numel=4 float32" in r["message"]
         assert "rank 2 issued" in r["message"] and "all_reduce 'rogue' numel=5 float32" in r["message"]
-        assert "before it ran" in r["message"] and "HINT:" in r["message"]
+        assert f"({check}" in r["message"] and "before it ran" in r["message"] and "HINT:" in r["message"]
         assert r["rogue_ran"] == 0  # the differing all-reduce never reached torch.distributed
 
 
-def test_strict_mode_names_a_skipped_unit(fault_reports: list[dict]) -> None:
+@pytest.mark.parametrize("name", ["skip_strict", "skip_verified"])
+def test_a_skipped_unit_is_named(fault_reports: list[dict], name: str) -> None:
     """Which block the differing call gathers depends on the prefetch order; that rank 1 is the odd one,
     and that the two fingerprints are named, does not."""
-    for r in _each_rank(fault_reports, "skip_strict"):
+    for r in _each_rank(fault_reports, name):
         assert r["error"] == "CollectiveMismatch" and r["step"] == 2, r
         found = re.search(r"rank 0, 2 issued #(\d+) all_gather 'blocks\.(\d)\[float32\]' numel=\d+ float32; rank 1"
                           r" issued #\1 all_gather 'blocks\.(\d)\[float32\]'", r["message"])
         assert found and found[2] != found[3], r["message"]
+        if name == "skip_verified":  # and which unit each rank gathered, and the fix
+            assert f"rank 1 gathered unit 'blocks.{found[3]}'" in r["message"], r["message"]
+            assert "leave tests.test_sanity.SkippableBlock out of unit_classes" in r["message"], r["message"]
 
 
 def test_cheap_check_names_both_fingerprints_at_the_next_check(fault_reports: list[dict]) -> None:
@@ -290,5 +307,5 @@ def test_break_it_example_catches_all_three_faults() -> None:
     (out,) = run_commands([[sys.executable, "examples/break_it.py"]], timeout=300)
     assert "summary: diverge: caught, skip: caught, same-data: caught" in out, out
     assert "first in parameter 'wpe.weight'" in out
-    assert "(strict check, before it ran): rank 0 issued #" in out
+    assert "(verified before it ran): rank 0 issued #" in out and "gathered unit 'blocks." in out
     assert "ranks 0, 1 received the same batch" in out

@@ -6,7 +6,8 @@
 1. Pretrain (only if ``runs/pretrain/gpt.ckpt`` does not exist yet): a byte-level GPT learns the
    docstrings of the Python standard library, sharded at stage 2; saved as a plain, full checkpoint.
 2. Fine-tune it on the Python documentation's help topics, fully sharded (stage 3): validation
-   perplexity and generated samples before and after, the budget tables, and ``runs/finetune/loss.png``.
+   perplexity and generated samples before and after, the budget tables, ``runs/finetune/loss.png``, and
+   the vital signs dashboard of every rank, ``runs/finetune/vitals/vitals.html``.
 
 Lightning's launcher starts the second rank by running this same script again, so every rank executes
 ``main`` from the top: every rank builds the same models and calls every collective (validate, fit,
@@ -27,7 +28,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from lightning_shardlab import ShardLabBudget, ShardLabStrategy
+from lightning_shardlab import ShardLabBudget, ShardLabStrategy, ShardLabVitals
 from lightning_shardlab.examples.gpt import GPT
 from lightning_shardlab.examples.text import TextDataModule, decode, encode
 
@@ -61,12 +62,12 @@ def report(*lines: str) -> None:
     print(*lines, sep="\n", flush=True)
 
 
-def make_trainer(recipe: Recipe, stage: int, steps: int, logs: Path) -> L.Trainer:
+def make_trainer(recipe: Recipe, stage: int, steps: int, logs: Path, *callbacks: L.Callback) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu", devices=2, strategy=ShardLabStrategy(stage=stage, state_dict_type="full"), max_steps=steps,
         val_check_interval=min(recipe.val_every, steps), limit_val_batches=recipe.val_batches,
         num_sanity_val_steps=0, log_every_n_steps=5, enable_checkpointing=False,
-        logger=CSVLogger(logs, name="logs"), callbacks=[ShardLabBudget()],
+        logger=CSVLogger(logs, name="logs"), callbacks=[ShardLabBudget(), *callbacks],
     )
 
 
@@ -124,7 +125,8 @@ def finetune(recipe: Recipe, init_from: Path, out: Path) -> tuple[float, float]:
     model = GPT(**recipe.model, lr=recipe.finetune_lr, warmup_steps=recipe.finetune_steps // 10,
                 init_from=str(init_from))
     data = data_for(recipe, "python_topics")
-    trainer = make_trainer(recipe, stage=3, steps=recipe.finetune_steps, logs=out)
+    vitals = ShardLabVitals(every_n_steps=5, dashboard_dir=str(out / "vitals"))  # every rank's signs, overlaid
+    trainer = make_trainer(recipe, 3, recipe.finetune_steps, out, vitals)
     before = perplexity(trainer, model, data)
     show_samples("before fine-tuning", samples(model, recipe.new_tokens))
     trainer.fit(model, datamodule=data)
@@ -134,6 +136,7 @@ def finetune(recipe: Recipe, init_from: Path, out: Path) -> tuple[float, float]:
     save_full_checkpoint(trainer, out / "gpt.ckpt")
     if trainer.global_rank == 0:
         plot_losses(Path(trainer.logger.log_dir) / "metrics.csv", out / "loss.png")
+        report(f"vital signs of every rank (dashboard): {vitals.paths.get('html', 'not written')}")
     return before, after
 
 

@@ -1,0 +1,38 @@
+"""How numbers and tables are shown: byte sizes, and rich tables printed whole.
+
+rich fits a table to the console, and a console that is not a terminal (a log file, CI) is 80 columns
+wide, so a wide table loses its right edge and its cells turn into "optim…". ``print_table`` prints a
+table at its natural width instead, wherever the output goes.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+BINARY = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+DECIMAL = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))  # as hardware is sold
+
+
+def size(n: float, decimal: bool = False) -> str:
+    """``n`` bytes in the largest unit that keeps the number >= 1: '12.30 MiB' (or '12.90 MB')."""
+    for unit, step in DECIMAL if decimal else BINARY:
+        if n >= step:
+            return f"{n / step:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def mib(n: float) -> str:
+    """``n`` bytes as MiB, no unit: a cell of a column headed MiB."""
+    return f"{n / 2**20:,.2f}"
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Print ``table`` at its natural width, however wide the console says it is."""
+    natural = console.measure(table, options=console.options.update_width(1_000_000)).maximum
+    width = console.width
+    console.width = max(width, natural)
+    try:
+        console.print(table)
+    finally:
+        console.width = width
