@@ -22,22 +22,28 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from tests.launch import run_ranks
+from benchmarks.ranks import run_ranks
 
 HERE = Path(__file__).resolve().parent
 SETTINGS = {
     "default": {"vocab_size": 8192, "n_layer": 6, "n_embd": 384, "n_head": 6, "block_size": 128, "batch": 8},
     "tiny": {"vocab_size": 256, "n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 128, "batch": 8},
 }
-VARIANTS = ("single", "ddp", "fsdp2", "shardlab_stage_1", "shardlab_stage_2", "shardlab_stage_3",
-            "shardlab_stage_3_coalesced")
+VARIANTS = (
+    "single",
+    "ddp",
+    "fsdp2",
+    "shardlab_stage_1",
+    "shardlab_stage_2",
+    "shardlab_stage_3",
+    "shardlab_stage_3_coalesced",
+)
 # stage 3 with blocks under 1M parameters joining the root unit: one all-gather and one reduce-scatter per
 # step instead of one per block; the same as plain stage 3 where blocks are larger (the default setting)
 COALESCED_MIN_UNIT_PARAMS = 1_000_000
@@ -53,8 +59,9 @@ def _model(setting: dict):  # noqa: ANN202
 
 def _tokens(setting: dict, steps: int, world: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
-    return torch.randint(0, setting["vocab_size"], (steps * setting["batch"] * world, setting["block_size"] + 1),
-                         generator=g)
+    return torch.randint(
+        0, setting["vocab_size"], (steps * setting["batch"] * world, setting["block_size"] + 1), generator=g
+    )
 
 
 def _peak_rss() -> int:
@@ -87,9 +94,19 @@ def run_lightning(variant: str, setting_name: str, warmup: int, steps: int) -> d
 
     tokens = _tokens(setting, warmup + steps, world)
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=setting["batch"])
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=warmup + steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Clock()])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=warmup + steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[Clock()],
+    )
     model = _model(setting)
     trainer.fit(model, loader)
     moved = None
@@ -97,8 +114,12 @@ def run_lightning(variant: str, setting_name: str, warmup: int, steps: int) -> d
         ledger = trainer.strategy.sharded.comm.ledger
         moved = sum(t.bytes for k, t in ledger.by_kind.items() if k in ("all_gather", "reduce_scatter"))
         moved /= warmup + steps
-    return {"times": times[warmup:], "peak_rss": _peak_rss(), "bytes_per_step": moved,
-            "params": sum(p.numel() for p in model.parameters())}
+    return {
+        "times": times[warmup:],
+        "peak_rss": _peak_rss(),
+        "bytes_per_step": moved,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def run_fsdp2(setting_name: str, warmup: int, steps: int) -> dict:
@@ -119,6 +140,7 @@ def run_fsdp2(setting_name: str, warmup: int, steps: int) -> dict:
             full = out if name == "all_gather_into_tensor" else inp
             moved[name] += full.numel() * full.element_size()
             return fn(out, inp, *a, **k)
+
         return call
 
     for name, fn in originals.items():
@@ -142,20 +164,28 @@ def run_fsdp2(setting_name: str, warmup: int, steps: int) -> dict:
         times.append(time.perf_counter() - start)
     dist.barrier()
     dist.destroy_process_group()
-    return {"times": times[warmup:], "peak_rss": _peak_rss(), "bytes_per_step": sum(moved.values()) / (warmup + steps),
-            "params": params}
+    return {
+        "times": times[warmup:],
+        "peak_rss": _peak_rss(),
+        "bytes_per_step": sum(moved.values()) / (warmup + steps),
+        "params": params,
+    }
 
 
 def sample(variant: str, setting: str, warmup: int, steps: int) -> dict:
     world = 1 if variant == "single" else 2
     if variant == "fsdp2":
-        ranks = run_ranks("benchmarks.bench:run_fsdp2", world, {"setting_name": setting, "warmup": warmup,
-                                                                 "steps": steps}, timeout=900)
+        ranks = run_ranks(run_fsdp2, world, {"setting_name": setting, "warmup": warmup, "steps": steps})
     else:
-        ranks = run_ranks("benchmarks.bench:run_lightning", world, {"variant": variant, "setting_name": setting,
-                                                                     "warmup": warmup, "steps": steps}, timeout=900)
-    return {"seconds": statistics.median(ranks[0]["times"]), "peak_rss": [r["peak_rss"] for r in ranks],
-            "bytes_per_step": ranks[0]["bytes_per_step"], "params": ranks[0]["params"]}
+        ranks = run_ranks(
+            run_lightning, world, {"variant": variant, "setting_name": setting, "warmup": warmup, "steps": steps}
+        )
+    return {
+        "seconds": statistics.median(ranks[0]["times"]),
+        "peak_rss": [r["peak_rss"] for r in ranks],
+        "bytes_per_step": ranks[0]["bytes_per_step"],
+        "params": ranks[0]["params"],
+    }
 
 
 def theory_bytes(variant: str, params: int) -> float | None:
@@ -172,7 +202,7 @@ def _kept_section(path: Path) -> str:
     from benchmarks.defaults_cost import BEGIN, END
 
     text = path.read_text() if path.exists() else ""
-    return "\n" + text[text.index(BEGIN): text.index(END) + len(END)] + "\n" if BEGIN in text and END in text else ""
+    return "\n" + text[text.index(BEGIN) : text.index(END) + len(END)] + "\n" if BEGIN in text and END in text else ""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,48 +229,75 @@ def main(argv: list[str] | None = None) -> None:
 
 def _summary(runs: list[dict]) -> dict:
     secs = [r["seconds"] for r in runs]
-    return {"median": statistics.median(secs), "min": min(secs), "max": max(secs),
-            "peak_rss": max(max(r["peak_rss"]) for r in runs), "bytes": runs[0]["bytes_per_step"],
-            "params": runs[0]["params"]}
+    return {
+        "median": statistics.median(secs),
+        "min": min(secs),
+        "max": max(secs),
+        "peak_rss": max(max(r["peak_rss"]) for r in runs),
+        "bytes": runs[0]["bytes_per_step"],
+        "params": runs[0]["params"],
+    }
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     return f"{os.cpu_count()} cores, {cpu}; Python {platform.python_version()}, torch {torch.__version__}"
 
 
 def write_report(samples: dict, args: argparse.Namespace, out: Path) -> None:
-    lines = ["# Benchmark results", "", f"Command: `python -m benchmarks.bench --setting {args.setting} --repeats "
-             f"{args.repeats} --warmup {args.warmup} --steps {args.steps}`", "",
-             f"Machine: {machine()}. 2 ranks, 1 thread each (gloo), fp32 AdamW; "
-             f"{args.repeats} interleaved repeats; a sample is the median of {args.steps} steps after "
-             f"{args.warmup} warm-up steps.", ""]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Command: `python -m benchmarks.bench --setting {args.setting} --repeats "
+        f"{args.repeats} --warmup {args.warmup} --steps {args.steps}`",
+        "",
+        f"Machine: {machine()}. 2 ranks, 1 thread each (gloo), fp32 AdamW; "
+        f"{args.repeats} interleaved repeats; a sample is the median of {args.steps} steps after "
+        f"{args.warmup} warm-up steps.",
+        "",
+    ]
     for setting, variants in samples.items():
         summary = {v: _summary(runs) for v, runs in variants.items() if runs}
         cfg = SETTINGS[setting]
-        lines += [f"## {setting}: {next(iter(summary.values()))['params']:,} parameters, {cfg['n_layer']} layers, "
-                  f"width {cfg['n_embd']}, {cfg['block_size']} tokens, batch {cfg['batch']} per rank", "",
-                  "| variant | s/step median | min-max | vs ddp | vs fsdp2 | peak RSS per rank | bytes/step | theory |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"## {setting}: {next(iter(summary.values()))['params']:,} parameters, {cfg['n_layer']} layers, "
+            f"width {cfg['n_embd']}, {cfg['block_size']} tokens, batch {cfg['batch']} per rank",
+            "",
+            "| variant | s/step median | min-max | vs ddp | vs fsdp2 | peak RSS per rank | bytes/step | theory |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for v, s in summary.items():
             ddp = summary.get("ddp", {}).get("median")
             fsdp = summary.get("fsdp2", {}).get("median")
             theory = theory_bytes(v, s["params"])
             lines.append(
-                f"| {v} | {s['median']:.4f} | {s['min']:.4f}-{s['max']:.4f} | "
-                f"{s['median'] / ddp:.3f} |" if ddp else f"| {v} | {s['median']:.4f} | {s['min']:.4f}-{s['max']:.4f} | - |"
+                f"| {v} | {s['median']:.4f} | {s['min']:.4f}-{s['max']:.4f} | {s['median'] / ddp:.3f} |"
+                if ddp
+                else f"| {v} | {s['median']:.4f} | {s['min']:.4f}-{s['max']:.4f} | - |"
             )
-            lines[-1] += (f" {s['median'] / fsdp:.3f} |" if fsdp else " - |")
+            lines[-1] += f" {s['median'] / fsdp:.3f} |" if fsdp else " - |"
             lines[-1] += f" {s['peak_rss'] / 2**20:.0f} MiB |"
-            lines[-1] += (f" {s['bytes'] / 1e6:.2f} MB |" if s["bytes"] else " - |")
-            lines[-1] += (f" {theory / 1e6:.2f} MB ({s['bytes'] / theory:.3f}x) |" if theory and s["bytes"] else " - |")
+            lines[-1] += f" {s['bytes'] / 1e6:.2f} MB |" if s["bytes"] else " - |"
+            lines[-1] += f" {theory / 1e6:.2f} MB ({s['bytes'] / theory:.3f}x) |" if theory and s["bytes"] else " - |"
         lines.append("")
         lines += targets(setting, summary)
     gpu = out / "GPU.md"
-    lines += ["## GPU", "", gpu.read_text().split("\n", 2)[2] if gpu.exists() else
-              "`python -m benchmarks.gpu` (world size 1 overhead, GPT-2 124M bf16-mixed MFU, ranks sharing a GPU) "
-              "writes `benchmarks/GPU.md`; it has not been run yet: no GPU was available.", ""]
+    lines += [
+        "## GPU",
+        "",
+        gpu.read_text().split("\n", 2)[2]
+        if gpu.exists()
+        else "`python -m benchmarks.gpu` (world size 1 overhead, GPT-2 124M bf16-mixed MFU, ranks sharing a GPU) "
+        "writes `benchmarks/GPU.md`; it has not been run yet: no GPU was available.",
+        "",
+    ]
     (out / "RESULTS.md").write_text("\n".join(lines) + "\n" + _kept_section(out / "RESULTS.md"))
     plot(samples, out / "results.png")
     print("\n".join(lines))
@@ -248,10 +305,14 @@ def write_report(samples: dict, args: argparse.Namespace, out: Path) -> None:
 
 # the issue's targets: (setting, variant, peer, most allowed ratio of medians)
 TARGETS = (
-    ("default", "shardlab_stage_3", "fsdp2", 0.95), ("default", "shardlab_stage_3", "ddp", 1.03),
-    ("default", "shardlab_stage_1", "ddp", 1.00), ("default", "shardlab_stage_2", "ddp", 1.00),
-    ("tiny", "shardlab_stage_1", "ddp", 1.2), ("tiny", "shardlab_stage_2", "ddp", 1.2),
-    ("tiny", "shardlab_stage_3", "ddp", 1.2), ("tiny", "shardlab_stage_3_coalesced", "ddp", 1.2),
+    ("default", "shardlab_stage_3", "fsdp2", 0.95),
+    ("default", "shardlab_stage_3", "ddp", 1.03),
+    ("default", "shardlab_stage_1", "ddp", 1.00),
+    ("default", "shardlab_stage_2", "ddp", 1.00),
+    ("tiny", "shardlab_stage_1", "ddp", 1.2),
+    ("tiny", "shardlab_stage_2", "ddp", 1.2),
+    ("tiny", "shardlab_stage_3", "ddp", 1.2),
+    ("tiny", "shardlab_stage_3_coalesced", "ddp", 1.2),
 )
 
 
@@ -261,16 +322,22 @@ def targets(setting: str, summary: dict) -> list[str]:
     for where, variant, peer, most in TARGETS:
         if where == setting and variant in summary and peer in summary:
             ratio = summary[variant]["median"] / summary[peer]["median"]
-            rows.append(f"| {variant} / {peer} seconds per step | <= {most:.2f} | {ratio:.3f} | "
-                        f"{'met' if ratio <= most else 'missed'} |")
+            rows.append(
+                f"| {variant} / {peer} seconds per step | <= {most:.2f} | {ratio:.3f} | "
+                f"{'met' if ratio <= most else 'missed'} |"
+            )
     for variant, s in summary.items():
         theory = theory_bytes(variant, s["params"])
         if theory and s["bytes"]:
-            rows.append(f"| {variant} bytes per step / theory | <= 1.02 | {s['bytes'] / theory:.3f} | "
-                        f"{'met' if s['bytes'] / theory <= 1.02 else 'missed'} |")
+            rows.append(
+                f"| {variant} bytes per step / theory | <= 1.02 | {s['bytes'] / theory:.3f} | "
+                f"{'met' if s['bytes'] / theory <= 1.02 else 'missed'} |"
+            )
         if variant.startswith("shardlab") and "fsdp2" in summary:
             ratio = s["peak_rss"] / summary["fsdp2"]["peak_rss"]
-            rows.append(f"| {variant} peak RSS / fsdp2's | <= 1.00 | {ratio:.3f} | {'met' if ratio <= 1 else 'missed'} |")
+            rows.append(
+                f"| {variant} peak RSS / fsdp2's | <= 1.00 | {ratio:.3f} | {'met' if ratio <= 1 else 'missed'} |"
+            )
     if not rows:
         return []
     return [f"Targets ({setting}):", "", "| target | allowed | this run | |", "| --- | --- | --- | --- |", *rows, ""]

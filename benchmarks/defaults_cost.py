@@ -33,9 +33,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from lightning_shardlab import Comm, ShardLabConfig, collectives, shard_model, shard_optimizer
+from benchmarks.ranks import free_port
+from benchmarks.sanity_overhead import FULL, QUICK, spread
+from lightning_shardlab import Comm, ShardLabConfig, shard_model, shard_optimizer
+from lightning_shardlab.comm import collectives
 from lightning_shardlab.examples.gpt import GPT
-from benchmarks.sanity_overhead import FULL, QUICK, free_port
 
 VARIANTS = {  # name -> (wait for the refresh, find_unused_parameters, verify_collectives)
     "defaults": (True, True, True),
@@ -43,8 +45,11 @@ VARIANTS = {  # name -> (wait for the refresh, find_unused_parameters, verify_co
     "without exact unused": (True, False, True),
     "without verified": (True, True, False),
 }
-COSTS = {"current weights": "without current weights", "exact unused": "without exact unused",
-         "verified": "without verified"}
+COSTS = {
+    "current weights": "without current weights",
+    "exact unused": "without exact unused",
+    "verified": "without verified",
+}
 BEGIN, END = "<!-- defaults_cost: begin -->", "<!-- defaults_cost: end -->"
 
 
@@ -97,9 +102,13 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     sizes = QUICK if args.quick else FULL
     g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randint(0, sizes["vocab_size"], (args.batch, sizes["block_size"]), generator=g),
-                torch.randint(0, sizes["vocab_size"], (args.batch, sizes["block_size"]), generator=g))
-               for _ in range(args.steps)]
+    batches = [
+        (
+            torch.randint(0, sizes["vocab_size"], (args.batch, sizes["block_size"]), generator=g),
+            torch.randint(0, sizes["vocab_size"], (args.batch, sizes["block_size"]), generator=g),
+        )
+        for _ in range(args.steps)
+    ]
     out = {}
     for stage in args.stages:
         runs = models(stage, rank, world, sizes)
@@ -108,7 +117,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
         names = list(VARIANTS)
         times: dict[str, list[list[float]]] = {n: [] for n in names}
         for repeat in range(args.repeats):
-            for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+            for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
                 wait, unused, verify = VARIANTS[name]
                 model, sharded, optimizer, wire = runs[unused]
                 sharded._overlap_refresh = not wait
@@ -124,45 +133,56 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
     dist.destroy_process_group()
 
 
-def _range(values: list[float], scale: float, fmt: str) -> str:
-    return (fmt.format(scale * statistics.median(values)) + " (" + fmt.format(scale * min(values)) + " to "
-            + fmt.format(scale * max(values)) + ")")
-
-
 def section(results: dict, args: argparse.Namespace, seconds: float) -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor() or platform.machine())
-    lines = [BEGIN, "## What the correct defaults cost\n",
-             f"Command: `{' '.join(['python -m benchmarks.defaults_cost', *sys.argv[1:]])}` ({seconds / 60:.1f} min)."
-             f" Machine: {cpu}; {os.cpu_count()} cores; torch {torch.__version__}; 2 ranks (gloo), 1 thread each."
-             f" Model: nanoGPT-shaped GPT, {results['params']:,} parameters, AdamW, {args.batch} sequences per rank and"
-             f" step; {args.repeats} interleaved repeats of {args.steps} steps per variant.\n",
-             "A/B: the defaults' step time over the same run without one of them, minus 1, per repeat (blocks run"
-             " back to back): median (min to max), and best against best (the least disturbed block of each).",
-             " Direct: what the defaults spend, measured inside the step (other jobs barely move it): the refresh"
-             " after the optimizer step, and the time blocked in the unused-parameter all-reduce, per step and as a"
-             " share of the fastest defaults step.\n",
-             "| stage | step, defaults, ms | current weights: A/B, best | refresh, ms (share) | exact unused: A/B, best |"
-             " its all-reduce, ms (share) | verified collectives: A/B, best | verified: CPU time A/B |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor() or platform.machine(),
+    )
+    lines = [
+        BEGIN,
+        "## What the correct defaults cost\n",
+        f"Command: `{' '.join(['python -m benchmarks.defaults_cost', *sys.argv[1:]])}` ({seconds / 60:.1f} min)."
+        f" Machine: {cpu}; {os.cpu_count()} cores; torch {torch.__version__}; 2 ranks (gloo), 1 thread each."
+        f" Model: nanoGPT-shaped GPT, {results['params']:,} parameters, AdamW, {args.batch} sequences per rank and"
+        f" step; {args.repeats} interleaved repeats of {args.steps} steps per variant.\n",
+        "A/B: the defaults' step time over the same run without one of them, minus 1, per repeat (blocks run"
+        " back to back): median (min to max), and best against best (the least disturbed block of each).",
+        " Direct: what the defaults spend, measured inside the step (other jobs barely move it): the refresh"
+        " after the optimizer step, and the time blocked in the unused-parameter all-reduce, per step and as a"
+        " share of the fastest defaults step.\n",
+        "| stage | step, defaults, ms | current weights: A/B, best | refresh, ms (share) | exact unused: A/B, best |"
+        " its all-reduce, ms (share) | verified collectives: A/B, best | verified: CPU time A/B |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for stage in args.stages:
         steps = {n: [row[0] for row in rows] for n, rows in results[stage].items()}
         fastest = min(steps["defaults"])
         direct = {k: [row[i] for row in results[stage]["defaults"]] for k, i in (("refresh", 1), ("unused", 2))}
         cells = []
         for name, other in COSTS.items():
-            ab = _range([d / w - 1 for d, w in zip(steps["defaults"], steps[other])], 100, "{:+.1f} %")
+            ab = spread([d / w - 1 for d, w in zip(steps["defaults"], steps[other])], 100, "{:+.1f} %")
             cells.append(f"{ab}, {100 * (fastest / min(steps[other]) - 1):+.1f} %")
             key = {"current weights": "refresh", "exact unused": "unused"}.get(name)
             if key:
-                cells.append(f"{_range(direct[key], 1000, '{:.1f}')} ({100 * statistics.median(direct[key]) / fastest:.1f} %)")
+                cells.append(
+                    f"{spread(direct[key], 1000, '{:.1f}')} ({100 * statistics.median(direct[key]) / fastest:.1f} %)"
+                )
         cpu = {n: [row[3] for row in rows] for n, rows in results[stage].items()}
-        cells.append(_range([d / w - 1 for d, w in zip(cpu["defaults"], cpu["without verified"])], 100, "{:+.1f} %"))
-        lines.append(f"| {stage} | {_range(steps['defaults'], 1000, '{:.0f}')} | " + " | ".join(cells) + " |")
-    raw = "; ".join(f"stage {s}: " + ", ".join(f"{n} {1000 * statistics.median(r[0] for r in rows):.0f} ms"
-                                               for n, rows in results[s].items()) for s in args.stages)
-    lines += ["", f"Median step times: {raw}.", "", "At stage 3 the refresh re-gathers the root unit only when it is held"
-              " (the other units are gathered in their next forward anyway), so there it is the compute-shard copy.", END]
+        cells.append(spread([d / w - 1 for d, w in zip(cpu["defaults"], cpu["without verified"])], 100, "{:+.1f} %"))
+        lines.append(f"| {stage} | {spread(steps['defaults'], 1000, '{:.0f}')} | " + " | ".join(cells) + " |")
+    raw = "; ".join(
+        f"stage {s}: "
+        + ", ".join(f"{n} {1000 * statistics.median(r[0] for r in rows):.0f} ms" for n, rows in results[s].items())
+        for s in args.stages
+    )
+    lines += [
+        "",
+        f"Median step times: {raw}.",
+        "",
+        "At stage 3 the refresh re-gathers the root unit only when it is held"
+        " (the other units are gathered in their next forward anyway), so there it is the compute-shard copy.",
+        END,
+    ]
     return "\n".join(lines)
 
 
@@ -170,7 +190,7 @@ def write_section(text: str, path: Path) -> None:
     """Replace this benchmark's section of RESULTS.md (or append it); the rest of the file is bench.py's."""
     old = path.read_text() if path.exists() else ""
     if BEGIN in old and END in old:
-        old = old[: old.index(BEGIN)].rstrip() + old[old.index(END) + len(END):]
+        old = old[: old.index(BEGIN)].rstrip() + old[old.index(END) + len(END) :]
     path.write_text(old.rstrip() + "\n\n" + text + "\n")
 
 

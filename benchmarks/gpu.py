@@ -61,10 +61,20 @@ def timed_fit(strategy: str, size: dict, device: str, precision: str, warmup: in
     model = GPT(**{k: size[k] for k in keys}, lr=1e-4, warmup_steps=0)
     tokens = torch.randint(0, size["vocab_size"], ((warmup + steps) * size["batch"], size["block_size"] + 1))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=size["batch"])
-    trainer = L.Trainer(accelerator=device, devices=1, precision=precision, max_steps=warmup + steps,
-                        strategy=ShardLabStrategy() if strategy == "shardlab" else "auto", logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Clock()])
+    trainer = L.Trainer(
+        accelerator=device,
+        devices=1,
+        precision=precision,
+        max_steps=warmup + steps,
+        strategy=ShardLabStrategy() if strategy == "shardlab" else "auto",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[Clock()],
+    )
     trainer.fit(model, loader)
     n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
     return {"seconds": statistics.median(times[warmup:]), "params": n_params}
@@ -83,23 +93,37 @@ def mfu(size: dict, device: str, warmup: int, steps: int, peak_tflops: float) ->
     run = timed_fit("shardlab", size, device, "bf16-mixed", warmup, steps)
     tokens_per_s = size["batch"] * size["block_size"] / run["seconds"]
     achieved = flops_per_token(run["params"], size) * tokens_per_s
-    return {"params": run["params"], "tokens_per_s": tokens_per_s, "tflops": achieved / 1e12,
-            "mfu": achieved / (peak_tflops * 1e12)}
+    return {
+        "params": run["params"],
+        "tokens_per_s": tokens_per_s,
+        "tflops": achieved / 1e12,
+        "mfu": achieved / (peak_tflops * 1e12),
+    }
 
 
 def gpu_tests() -> dict:
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
-                          capture_output=True, text=True)
-    return {"returncode": proc.returncode, "seconds": time.perf_counter() - started,
-            "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+        capture_output=True,
+        text=True,
+    )
+    return {
+        "returncode": proc.returncode,
+        "seconds": time.perf_counter() - started,
+        "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:],
+    }
 
 
 def report(results: dict, out: Path) -> str:
     o, m = results["overhead"], results["mfu"]
     lines = [
-        "# GPU checks", "", f"Command: `python -m benchmarks.gpu` on {results['device_name']}, torch {torch.__version__}.", "",
-        "| check | target | this run |", "| --- | --- | --- |",
+        "# GPU checks",
+        "",
+        f"Command: `python -m benchmarks.gpu` on {results['device_name']}, torch {torch.__version__}.",
+        "",
+        "| check | target | this run |",
+        "| --- | --- | --- |",
         f"| world size 1: shardlab / plain Lightning steps per second ({results['overhead_precision']}) | >= 0.98 "
         f"| {o['ratio']:.3f} ({o['shardlab_steps_per_s']:.2f} vs {o['plain_steps_per_s']:.2f}) |",
         f"| GPT-2 {m['params'] / 1e6:.0f}M bf16-mixed MFU (peak {results['peak_tflops']} TFLOP/s) | >= 30% "
@@ -124,14 +148,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(Path(__file__).resolve().parent))
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("benchmarks.gpu: no CUDA device here. HINT: run it on a GPU machine, or --device cpu for a dry run.")
+        raise SystemExit(
+            "benchmarks.gpu: no CUDA device here. HINT: run it on a GPU machine, or --device cpu for a dry run."
+        )
     size, out = SIZES[args.size], Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     precision = "bf16-mixed" if args.device == "cuda" else "32-true"
-    results = {"device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-               "peak_tflops": args.peak_tflops, "size": size, "overhead_precision": precision,
-               "overhead": overhead(size, args.device, precision, args.warmup, args.steps, args.repeats),
-               "mfu": mfu(size, args.device, args.warmup, args.steps, args.peak_tflops)}
+    results = {
+        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "peak_tflops": args.peak_tflops,
+        "size": size,
+        "overhead_precision": precision,
+        "overhead": overhead(size, args.device, precision, args.warmup, args.steps, args.repeats),
+        "mfu": mfu(size, args.device, args.warmup, args.steps, args.peak_tflops),
+    }
     if args.device == "cuda":
         results["tests"] = gpu_tests()
     print(report(results, out))

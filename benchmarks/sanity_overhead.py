@@ -9,7 +9,7 @@ per repeat, on the same sharded model (a plain training loop: forward, backward,
     none          no checks
     fingerprints  the cheap collective check: every collective's fingerprint recorded, one 16-byte
                   all-gather every K steps
-    verified      every collective's header exchanged before it moves data (verify.py), nothing else
+    verified      every collective's header exchanged before it moves data (comm/verify.py), nothing else
     cheap (all)   every check at its default: verified collectives, fingerprints, replicated-state
                   digests and the data check every K steps, the watchdog thread (1 s heartbeats through
                   the store) and the SIGTERM agreement (one store read per step)
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -37,11 +36,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from benchmarks.ranks import free_port
 from lightning_shardlab import Comm, ShardLabConfig, shard_model, shard_optimizer
-from lightning_shardlab import collectives
-from lightning_shardlab.collectives import CollectiveObserver
+from lightning_shardlab.comm import collectives
+from lightning_shardlab.comm.collectives import CollectiveObserver
 from lightning_shardlab.examples.gpt import GPT
-from lightning_shardlab.sanity_guard import SanityConfig, SanityGuard
+from lightning_shardlab.guard.guard import SanityConfig, SanityGuard
 
 FULL = dict(vocab_size=256, block_size=128, n_layer=8, n_head=6, n_embd=384)  # nanoGPT's shape: 14.3M parameters
 QUICK = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -52,9 +52,14 @@ def config(variant: str, every: int) -> SanityConfig | None:
     if variant == "none":
         return None
     if variant in ("fingerprints", "verified"):
-        return SanityConfig(every_n_steps=every if variant == "fingerprints" else 0, check_replicated=False,
-                            check_data=False, collective_timeout_s=None, handle_sigterm=False,
-                            verify_collectives=variant == "verified")
+        return SanityConfig(
+            every_n_steps=every if variant == "fingerprints" else 0,
+            check_replicated=False,
+            check_data=False,
+            collective_timeout_s=None,
+            handle_sigterm=False,
+            verify_collectives=variant == "verified",
+        )
     return SanityConfig(every_n_steps=every, strict_collectives=variant == "strict")
 
 
@@ -73,6 +78,7 @@ class Account:
                 return fn(*args, **kwargs)
             finally:
                 setattr(self, field, getattr(self, field) + clock() - start)
+
         return run
 
 
@@ -119,9 +125,13 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     sizes = QUICK if args.quick else FULL
     g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randint(0, sizes["vocab_size"], (args.batch, sizes["block_size"]), generator=g),
-                torch.randint(0, sizes["vocab_size"], (args.batch, sizes["block_size"]), generator=g))
-               for _ in range(args.steps)]
+    batches = [
+        (
+            torch.randint(0, sizes["vocab_size"], (args.batch, sizes["block_size"]), generator=g),
+            torch.randint(0, sizes["vocab_size"], (args.batch, sizes["block_size"]), generator=g),
+        )
+        for _ in range(args.steps)
+    ]
     out = {}
     for stage in args.stages:
         comm = Comm(rank=rank, world_size=world, device=torch.device("cpu"))
@@ -137,75 +147,93 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
         checks: dict[str, list[float]] = {v: [] for v in variants}
         cpus: dict[str, list[float]] = {v: [] for v in variants}
         for repeat in range(args.repeats):
-            for variant in variants[repeat % len(variants):] + variants[: repeat % len(variants)]:
-                guard = None if config(variant, args.every) is None else SanityGuard(sharded, [optimizer], config(variant, args.every))
+            for variant in variants[repeat % len(variants) :] + variants[: repeat % len(variants)]:
+                guard = (
+                    None
+                    if config(variant, args.every) is None
+                    else SanityGuard(sharded, [optimizer], config(variant, args.every))
+                )
                 with guard if guard is not None else nullcontext():
                     measured = torch.tensor(train_block(model, sharded, optimizer, batches, guard))
-                collectives.all_reduce(measured, sharded.comm, op="max", label="timings")  # the slowest rank sets the pace
+                collectives.all_reduce(
+                    measured, sharded.comm, op="max", label="timings"
+                )  # the slowest rank sets the pace
                 times[variant].append(float(measured[0]))
                 checks[variant].append(float(measured[1]))
                 cpus[variant].append(float(measured[2]))
-        out[stage] = {"params": sum(p.numel() for p in GPT(**sizes).parameters()), "times": times, "checks": checks,
-                      "cpu": cpus}
+        out[stage] = {
+            "params": sum(p.numel() for p in GPT(**sizes).parameters()),
+            "times": times,
+            "checks": checks,
+            "cpu": cpus,
+        }
     if rank == 0:
         results.update(out)
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _range(values: list[float], scale: float = 1.0, fmt: str = "{:.0f}") -> str:
-    return (fmt.format(scale * statistics.median(values)) + " (" + fmt.format(scale * min(values)) + " to "
-            + fmt.format(scale * max(values)) + ")")
+def spread(values: list[float], scale: float = 1.0, fmt: str = "{:.0f}") -> str:
+    """median (min to max)"""
+    return (
+        fmt.format(scale * statistics.median(values))
+        + " ("
+        + fmt.format(scale * min(values))
+        + " to "
+        + fmt.format(scale * max(values))
+        + ")"
+    )
 
 
 def table(stage: int, entry: dict) -> str:
     base = entry["times"]["none"] if "none" in entry["times"] else None
-    lines = [f"### stage {stage}\n",
-             "| variant | step time, ms | checks' own time per step, ms | checks' time / baseline step |"
-             " A/B: step time / baseline - 1 | A/B: CPU time / baseline - 1 |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"### stage {stage}\n",
+        "| variant | step time, ms | checks' own time per step, ms | checks' time / baseline step |"
+        " A/B: step time / baseline - 1 | A/B: CPU time / baseline - 1 |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     cpu_base = entry["cpu"]["none"] if "none" in entry["cpu"] else None
     for variant, times in entry["times"].items():
         own, cpu = entry["checks"][variant], entry["cpu"][variant]
         first = base is None or variant == "none"
-        share = "—" if first else _range([c / min(base) for c in own], 100, "{:.2f} %")
-        ab = "—" if first else _range([t / b - 1 for t, b in zip(times, base)], 100, "{:+.1f} %")
-        cab = "—" if first else _range([t / b - 1 for t, b in zip(cpu, cpu_base)], 100, "{:+.1f} %")
-        lines.append(f"| {variant} | {_range(times, 1000)} | {_range(own, 1000, '{:.2f}')} | {share} | {ab} | {cab} |")
+        share = "—" if first else spread([c / min(base) for c in own], 100, "{:.2f} %")
+        ab = "—" if first else spread([t / b - 1 for t, b in zip(times, base)], 100, "{:+.1f} %")
+        cab = "—" if first else spread([t / b - 1 for t, b in zip(cpu, cpu_base)], 100, "{:+.1f} %")
+        lines.append(f"| {variant} | {spread(times, 1000)} | {spread(own, 1000, '{:.2f}')} | {share} | {ab} | {cab} |")
     raw = "; ".join(f"{v}: " + ", ".join(f"{1000 * t:.0f}" for t in ts) for v, ts in entry["times"].items())
     return "\n".join(lines) + f"\n\nEach repeat's step time (ms), in order: {raw}.\n"
 
 
 def report(results: dict, args: argparse.Namespace, seconds: float, load: tuple[float, float]) -> str:
     params = next(iter(results.values()))["params"]
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor() or platform.machine())
-    return "\n".join([
-        "# Sanity checks: cost per step\n",
-        f"Command: `{' '.join(['python', *sys.argv])}` ({seconds / 60:.1f} min).  ",
-        f"Machine: {cpu}; {os.cpu_count()} cores; torch {torch.__version__}; 2 ranks (gloo), 1 thread each;"
-        f" load average (other jobs included) {load[0]:.1f} before, {load[1]:.1f} after.  ",
-        f"Model: nanoGPT-shaped GPT, {params:,} parameters"
-        f" ({'the --quick tiny GPT' if args.quick else '8 layers, width 384, context 128, vocabulary 256'}),"
-        f" AdamW, {args.batch} sequences per rank and step.  ",
-        f"{args.repeats} interleaved repeats of {args.steps} steps per variant; checks every K = {args.every} steps.\n",
-        "All figures: median (min to max) over repeats; per step, the slowest rank's. Two measures of the cost:\n",
-        "- *checks' own time*, accounted directly (other processes' load barely moves it): the wall time the main"
-        " thread spends inside the checks (collective observers, `before_step`, `stop_after`) plus the CPU time of"
-        " the watchdog thread, per step, and as a share of the fastest baseline step (the one least slowed by other"
-        " jobs). A check's all-gather (and a verified collective's header) also absorbs the wait for the slower"
-        " rank, which the next collective would otherwise absorb, so this errs high.",
-        "- *A/B*: each variant's step time against the no-check baseline of the same repeat: end to end, but on"
-        " this shared 2-core machine other jobs move single blocks by tens of percent; the raw times are below. The"
-        " same for the CPU time the process used (all its threads, gloo's included: what verified collectives'"
-        " extra messages cost in work), which other jobs move less.\n",
-        *(table(stage, entry) for stage, entry in results.items()),
-    ])
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor() or platform.machine(),
+    )
+    return "\n".join(
+        [
+            "# Sanity checks: cost per step\n",
+            f"Command: `{' '.join(['python', *sys.argv])}` ({seconds / 60:.1f} min).  ",
+            f"Machine: {cpu}; {os.cpu_count()} cores; torch {torch.__version__}; 2 ranks (gloo), 1 thread each;"
+            f" load average (other jobs included) {load[0]:.1f} before, {load[1]:.1f} after.  ",
+            f"Model: nanoGPT-shaped GPT, {params:,} parameters"
+            f" ({'the --quick tiny GPT' if args.quick else '8 layers, width 384, context 128, vocabulary 256'}),"
+            f" AdamW, {args.batch} sequences per rank and step.  ",
+            f"{args.repeats} interleaved repeats of {args.steps} steps per variant;",
+            f" checks every K = {args.every} steps.\n",
+            "All figures: median (min to max) over repeats; per step, the slowest rank's. Two measures of the cost:\n",
+            "- *checks' own time*, accounted directly (other processes' load barely moves it): the wall time the main"
+            " thread spends inside the checks (collective observers, `before_step`, `stop_after`) plus the CPU time of"
+            " the watchdog thread, per step, and as a share of the fastest baseline step (the one least slowed by other"
+            " jobs). A check's all-gather (and a verified collective's header) also absorbs the wait for the slower"
+            " rank, which the next collective would otherwise absorb, so this errs high.",
+            "- *A/B*: each variant's step time against the no-check baseline of the same repeat: end to end, but on"
+            " this shared 2-core machine other jobs move single blocks by tens of percent; the raw times are below. The"
+            " same for the CPU time the process used (all its threads, gloo's included: what verified collectives'"
+            " extra messages cost in work), which other jobs move less.\n",
+            *(table(stage, entry) for stage, entry in results.items()),
+        ]
+    )
 
 
 def main() -> None:

@@ -36,10 +36,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_shardlab import ShardLabStrategy
-from lightning_shardlab.divergence import DivergenceError, DuplicateDataError
+from lightning_shardlab.comm.mismatch import CollectiveMismatch
 from lightning_shardlab.examples.gpt import GPT
-from lightning_shardlab.sanity import CollectiveMismatch
-from lightning_shardlab.sanity_callback import ShardLabSanity
+from lightning_shardlab.guard.callback import ShardLabSanity
+from lightning_shardlab.guard.divergence import DivergenceError, DuplicateDataError
 
 FAULTS = {"diverge": DivergenceError, "skip": CollectiveMismatch, "same-data": DuplicateDataError}
 SIZES = dict(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32, warmup_steps=2)
@@ -73,7 +73,9 @@ class ShortcutGPT(GPT):
 
 
 def tokens(n: int, seed: int = 0) -> TensorDataset:
-    data = torch.randint(0, SIZES["vocab_size"], (n, SIZES["block_size"] + 1), generator=torch.Generator().manual_seed(seed))
+    data = torch.randint(
+        0, SIZES["vocab_size"], (n, SIZES["block_size"] + 1), generator=torch.Generator().manual_seed(seed)
+    )
     return TensorDataset(data[:, :-1], data[:, 1:])
 
 
@@ -85,9 +87,17 @@ def run_fault(fault: str) -> None:
     units = ["lightning_shardlab.examples.gpt.Block"] if fault == "skip" else None  # the user shards every block
     strategy = ShardLabStrategy(stage=2 if fault == "diverge" else 3, unit_classes=units)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=12,
-        callbacks=[sanity], use_distributed_sampler=fault != "same-data", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=12,
+        callbacks=[sanity],
+        use_distributed_sampler=fault != "same-data",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
     )
     try:
         trainer.fit(model, DataLoader(tokens(96), batch_size=4, shuffle=False))

@@ -6,17 +6,18 @@ Importing the package registers the strategy names "shardlab" (stage 3), "shardl
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_shardlab.budget_report import ShardLabBudget
-from lightning_shardlab.checkpoint_files import CheckpointError
-from lightning_shardlab.collectives import Comm
+from lightning_shardlab.budget.callback import ShardLabBudget
+from lightning_shardlab.checkpoint.files import CheckpointError
+from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.config import Accumulation, ShardLabConfig, Stage
 from lightning_shardlab.ema import ShardLabEMA
-from lightning_shardlab.optimizer import shard_optimizer
-from lightning_shardlab.sanity_callback import ShardLabSanity
-from lightning_shardlab.sanity_guard import SanityConfig, SanityGuard
-from lightning_shardlab.shard_model import ShardedModel, shard_model
+from lightning_shardlab.guard.callback import ShardLabSanity
+from lightning_shardlab.guard.guard import SanityConfig, SanityGuard
+from lightning_shardlab.precision import ShardLabPrecision
+from lightning_shardlab.sharding.optimizer import shard_optimizer
+from lightning_shardlab.sharding.sharded_model import ShardedModel, shard_model
 from lightning_shardlab.strategy import ShardLabStrategy
-from lightning_shardlab.vitals import ShardLabVitals
+from lightning_shardlab.vitals.callback import ShardLabVitals
 
 ShardLabStrategy.register_strategies(StrategyRegistry)
 
@@ -29,6 +30,7 @@ __all__ = [
     "SanityGuard",
     "ShardLabConfig",
     "ShardLabEMA",
+    "ShardLabPrecision",
     "ShardLabSanity",
     "ShardLabStrategy",
     "ShardLabVitals",

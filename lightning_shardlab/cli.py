@@ -30,13 +30,19 @@ from lightning.pytorch.cli import LightningCLI
 
 import lightning_shardlab  # noqa: F401  (registers "shardlab", "shardlab_stage_1", ... with Lightning)
 
-
 TOOLS = {  # subcommand -> (module whose main(argv) runs it, what it does)
-    "plan": ("lightning_shardlab.plan", "the budget before the hardware: bytes per rank, traffic and time per step"),
-    "consolidate": ("lightning_shardlab.checkpoint_consolidate",
-                    "a sharded checkpoint -> one plain Lightning checkpoint file (no process group)"),
-    "inspect": ("lightning_shardlab.checkpoint_inspect",
-                "describe a checkpoint: complete or not, world size, stage, units, bytes per rank"),
+    "plan": (
+        "lightning_shardlab.budget.plan",
+        "the budget before the hardware: bytes per rank, traffic and time per step",
+    ),
+    "consolidate": (
+        "lightning_shardlab.checkpoint.consolidate",
+        "a sharded checkpoint -> one plain Lightning checkpoint file (no process group)",
+    ),
+    "inspect": (
+        "lightning_shardlab.checkpoint.inspect",
+        "describe a checkpoint: complete or not, world size, stage, units, bytes per rank",
+    ),
 }
 LIGHTNING = {
     "fit": "train (LightningCLI: --config X.yaml, and any Trainer, model, data or strategy option)",
@@ -49,8 +55,13 @@ LIGHTNING = {
 def usage() -> str:
     """Every subcommand, Lightning's and the tools."""
     width = max(map(len, (*LIGHTNING, *TOOLS))) + 2
-    lines = [f"usage: shardlab {{{','.join((*LIGHTNING, *TOOLS))}}} ...", "",
-             "Fully sharded training for PyTorch Lightning, and the tools around it.", "", "training (LightningCLI):"]
+    lines = [
+        f"usage: shardlab {{{','.join((*LIGHTNING, *TOOLS))}}} ...",
+        "",
+        "Fully sharded training for PyTorch Lightning, and the tools around it.",
+        "",
+        "training (LightningCLI):",
+    ]
     lines += [f"  {name:{width}}{what}" for name, what in LIGHTNING.items()]
     lines += ["", "tools:"] + [f"  {name:{width}}{what}" for name, (_, what) in TOOLS.items()]
     lines += ["", "`shardlab <subcommand> --help` shows a subcommand's options, e.g. shardlab fit --help."]

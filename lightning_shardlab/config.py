@@ -42,9 +42,38 @@ def import_path(path: str, option: str) -> type:
     return obj
 
 
+# ---- option checks: every option of every public class is checked by one of these, before anything runs ----
+
+
 def _choice(option: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"`{option}={value!r}` is invalid. Allowed values: {', '.join(map(repr, allowed))}.")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_option(option: str, value: object, ok: bool, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"`{option}={value!r}` is invalid: expected {expected}.")
+
+
+def check_int(option: str, value: object, minimum: int, note: str = "") -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    check_option(option, value, ok, f"an integer >= {minimum}{note}")
+
+
+def check_bool(option: str, value: object) -> None:
+    check_option(option, value, isinstance(value, bool), "True or False")
+
+
+def check_positive(option: str, value: object, expected: str = "a positive number") -> None:
+    check_option(option, value, _is_number(value) and value > 0, expected)
+
+
+def check_in_range(option: str, value: object, low: float, high: float) -> None:
+    check_option(option, value, _is_number(value) and low <= value <= high, f"a number in [{low:g}, {high:g}]")
 
 
 @dataclass(frozen=True)
@@ -118,11 +147,8 @@ class ShardLabConfig:
         _choice("state_dict_type", self.state_dict_type, ("sharded", "full"))
         _choice("reduce_dtype", self.reduce_dtype, (None, *DTYPES))
         _choice("transport", self.transport, ("auto", "builtin", "pairwise"))
-        for option in ("min_unit_params", "ranks_per_device"):
-            value = getattr(self, option)
-            minimum = 0 if option == "min_unit_params" else 1
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"`{option}={value!r}` is invalid: expected an integer >= {minimum}.")
+        check_int("min_unit_params", self.min_unit_params, 0)
+        check_int("ranks_per_device", self.ranks_per_device, 1)
         norm = self.gradient_clip_norm_type
         if isinstance(norm, str):
             try:
@@ -131,14 +157,13 @@ class ShardLabConfig:
                 pass
         if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not norm > 0:
             raise ValueError(
-                f"`gradient_clip_norm_type={self.gradient_clip_norm_type!r}` is invalid: expected 2, 1, 'inf' or any p > 0."
+                f"`gradient_clip_norm_type={self.gradient_clip_norm_type!r}` is invalid:"
+                " expected 2, 1, 'inf' or any p > 0."
             )
         object.__setattr__(self, "gradient_clip_norm_type", float(norm))
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise ValueError(f"`timeout_s={self.timeout_s!r}` is invalid: expected a positive number of seconds.")
+        check_positive("timeout_s", self.timeout_s, "a positive number of seconds")
         for option in ("reshard_after_forward", "find_unused_parameters", "broadcast_buffers"):
-            if not isinstance(getattr(self, option), bool):
-                raise ValueError(f"`{option}={getattr(self, option)!r}` is invalid: expected True or False.")
+            check_bool(option, getattr(self, option))
         for option in ("unit_classes", "elementwise_optimizers"):
             value = getattr(self, option)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):

@@ -4,7 +4,7 @@
     trainer.fit(model, data)                       # validation runs on the average
     averaged = trainer.strategy.full_state_dict(ema=True)
 
-Each rank averages its own master shards (averages.py): 1/N of the memory of a full copy, and no
+Each rank averages its own master shards (sharding/averages.py): 1/N of the memory of a full copy, and no
 communication per update. The rule, its start and its schedule are those of Lightning's
 ``EMAWeightAveraging`` (torch's ``AveragedModel`` with ``get_ema_avg_fn``), so the two give the same
 numbers:
@@ -30,13 +30,9 @@ from typing import Any
 
 import lightning as L
 
-from lightning_shardlab.averages import Averages
-from lightning_shardlab.shard_model import ShardedModel
-
-
-def _check(name: str, value: Any, ok: bool, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"`{name}={value!r}` is invalid: expected {expected}.")
+from lightning_shardlab.config import check_bool, check_in_range, check_int
+from lightning_shardlab.sharding.averages import Averages
+from lightning_shardlab.sharding.sharded_model import ShardedModel, sharded_model_of
 
 
 class ShardLabEMA(L.Callback):
@@ -53,16 +49,23 @@ class ShardLabEMA(L.Callback):
         apply_at_end: at the end of fit, the weights take the average's values.
     """
 
-    def __init__(self, decay: float = 0.999, every_n_steps: int = 1, start_step: int | None = None,
-                 start_epoch: int | None = None, use_buffers: bool = True, swap_eval: bool = True,
-                 apply_at_end: bool = True) -> None:
-        _check("decay", decay, isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 <= decay <= 1,
-               "a number in [0, 1]")
-        _check("every_n_steps", every_n_steps, isinstance(every_n_steps, int) and every_n_steps >= 1, "an integer >= 1")
+    def __init__(
+        self,
+        decay: float = 0.999,
+        every_n_steps: int = 1,
+        start_step: int | None = None,
+        start_epoch: int | None = None,
+        use_buffers: bool = True,
+        swap_eval: bool = True,
+        apply_at_end: bool = True,
+    ) -> None:
+        check_in_range("decay", decay, 0, 1)
+        check_int("every_n_steps", every_n_steps, 1)
         for name, value in (("start_step", start_step), ("start_epoch", start_epoch)):
-            _check(name, value, value is None or (isinstance(value, int) and value >= 0), "None or an integer >= 0")
+            if value is not None:
+                check_int(name, value, 0, " (or None)")
         for name, value in (("use_buffers", use_buffers), ("swap_eval", swap_eval), ("apply_at_end", apply_at_end)):
-            _check(name, value, isinstance(value, bool), "True or False")
+            check_bool(name, value)
         self.decay, self.every_n_steps = float(decay), every_n_steps
         self.start_step, self.start_epoch = start_step, start_epoch
         self.use_buffers, self.swap_eval, self.apply_at_end = use_buffers, swap_eval, apply_at_end
@@ -86,16 +89,13 @@ class ShardLabEMA(L.Callback):
     # ---- fit ----
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        sharded = getattr(trainer.strategy, "sharded", None)
-        if not isinstance(sharded, ShardedModel):
-            raise ValueError(f"ShardLabEMA needs the shardlab strategy, got {type(trainer.strategy).__name__}. HINT: use"
-                             " Lightning's EMAWeightAveraging with other strategies, or strategy='shardlab'.")
-        self.sharded = sharded
+        self.sharded = sharded = sharded_model_of(trainer, required_by="ShardLabEMA")
         sharded.averages = Averages(sharded, self.use_buffers)  # a checkpoint being resumed replaces it
         self._applied = False
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step > self.latest_update_step and self.should_update(step_idx=trainer.global_step - 1):
             self._update()
             self.latest_update_step = trainer.global_step
@@ -141,7 +141,7 @@ class ShardLabEMA(L.Callback):
             self.averages.swap(self.sharded)
             self._swapped = False
 
-    # ---- checkpoints: the average itself travels with the model state (averages.py) ----
+    # ---- checkpoints: the average itself travels with the model state (sharding/averages.py) ----
 
     def state_dict(self) -> dict[str, Any]:
         return {"latest_update_step": self.latest_update_step, "latest_update_epoch": self.latest_update_epoch}

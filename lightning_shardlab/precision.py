@@ -8,7 +8,7 @@
 | "bf16-true"  | bf16 (module converted)   | = the shard  | bf16          | bf16                 |
 
 With "bf16-mixed" and AdamW each rank holds 2 B compute copy + 2 B gradient + 4 B master + 8 B
-moments = 16 B per parameter, divided by N at stage 3 (the seed's ledger). Gradient clipping takes
+moments = 16 B per parameter, divided by N at stage 3 (the ZeRO table). Gradient clipping takes
 the global norm over every rank's shards; the fp16 loss scale skips a step when any rank overflowed.
 """
 
@@ -27,12 +27,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shardlab import collectives, gradients
+from lightning_shardlab.comm import collectives
 from lightning_shardlab.config import DTYPES, PrecisionPolicy
-from lightning_shardlab.optimizer import clip_grad_norm_
+from lightning_shardlab.sharding.optimizer import clip_grad_norm_
 
 if TYPE_CHECKING:
-    from lightning_shardlab.shard_model import ShardedModel
+    from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 COMPUTE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -130,8 +130,7 @@ class ShardLabPrecision(Precision):
         self.loss_scale.update(overflow)
         if overflow:  # every rank agrees: skip this step, as torch's GradScaler does
             assert self.sharded is not None
-            for fp in self.sharded.flat_params:
-                gradients.release(fp)
+            self.sharded.skip_step()
             return closure_result
         return optimizer.step(**kwargs)
 
@@ -165,4 +164,3 @@ def shardlab_precision(plugin: Precision | None, norm_type: float) -> ShardLabPr
     raise ValueError(
         f"`Trainer(precision={name!r})` is not supported by the shardlab strategy. Allowed: {', '.join(SUPPORTED)}."
     )
-

@@ -11,12 +11,14 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (_destroy_dist_connection, _distributed_is_initialized,
-                                                     _init_dist_connection)
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
@@ -26,27 +28,35 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shardlab import checkpoint as ckpt
-from lightning_shardlab import collectives
-from lightning_shardlab.collectives import Comm
+from lightning_shardlab.checkpoint import io as ckpt
+from lightning_shardlab.comm import collectives
+from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.config import Accumulation, ShardLabConfig
-from lightning_shardlab.gathered import Modules, gathered_params
-from lightning_shardlab.materialize import has_meta
-from lightning_shardlab.optimizer import global_grad_norm, shard_optimizer
+from lightning_shardlab.guard.callback import ShardLabSanity
+from lightning_shardlab.guard.guard import SanityConfig
 from lightning_shardlab.precision import ShardLabPrecision, shardlab_precision
-from lightning_shardlab.sanity_callback import ShardLabSanity
-from lightning_shardlab.sanity_guard import SanityConfig, SanityGuard
-from lightning_shardlab.shard_model import ShardedModel, shard_model
+from lightning_shardlab.sharding.gathered import Modules, gathered_params
+from lightning_shardlab.sharding.materialize import has_meta
+from lightning_shardlab.sharding.optimizer import global_grad_norm, shard_optimizer
+from lightning_shardlab.sharding.sharded_model import ShardedModel, shard_model
 
-
-METRIC_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min", None: "mean",
-              ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
+METRIC_OPS = {
+    "mean": "mean",
+    "avg": "mean",
+    "sum": "sum",
+    "max": "max",
+    "min": "min",
+    None: "mean",
+    ReduceOp.SUM: "sum",
+    ReduceOp.MAX: "max",
+    ReduceOp.MIN: "min",
+}
 
 
 def refuse_unsharded_callbacks(callbacks: list[Any]) -> None:
@@ -55,8 +65,9 @@ def refuse_unsharded_callbacks(callbacks: list[Any]) -> None:
     for callback in callbacks:
         if isinstance(callback, (WeightAveraging, StochasticWeightAveraging)):
             raise ValueError(
-                f"{type(callback).__name__} keeps an unsharded copy of the whole model on every rank, which the shardlab"
-                " strategy does not support (at stage 3 the module holds only placeholders between steps). HINT: use"
+                f"{type(callback).__name__} keeps an unsharded copy of the whole model on every rank, which the"
+                " shardlab strategy does not support (at stage 3 the module holds only placeholders between steps)."
+                " HINT: use"
                 " lightning_shardlab.ShardLabEMA(decay=...), which keeps each rank's share of the average and gives"
                 " EMAWeightAveraging's numbers."
             )
@@ -129,23 +140,33 @@ class ShardLabStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         self.config = ShardLabConfig(
-            stage=stage, unit_classes=unit_classes or (), min_unit_params=min_unit_params,
-            reshard_after_forward=reshard_after_forward, accumulation=accumulation,
-            find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers, reduce_dtype=reduce_dtype,
+            stage=stage,
+            unit_classes=unit_classes or (),
+            min_unit_params=min_unit_params,
+            reshard_after_forward=reshard_after_forward,
+            accumulation=accumulation,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
+            reduce_dtype=reduce_dtype,
             transport=transport,
             gradient_clip_norm_type=gradient_clip_norm_type,
-            ranks_per_device=ranks_per_device, process_group_backend=process_group_backend, timeout_s=timeout_s,
-            elementwise_optimizers=elementwise_optimizers or (), state_dict_type=state_dict_type,
+            ranks_per_device=ranks_per_device,
+            process_group_backend=process_group_backend,
+            timeout_s=timeout_s,
+            elementwise_optimizers=elementwise_optimizers or (),
+            state_dict_type=state_dict_type,
         )
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.num_nodes = 1
         self.comm: Comm | None = None
         self.sharded: ShardedModel | None = None
-        self.sanity_config = SanityConfig(every_n_steps=sanity_every_n_steps, strict_collectives=strict_collectives,
-                                          verify_collectives=verify_collectives,
-                                          collective_timeout_s=collective_timeout_s, handle_sigterm=handle_sigterm)
-        self.sanity: SanityGuard | None = None
-        self._sanity_batches = 0
+        self.sanity_config = SanityConfig(
+            every_n_steps=sanity_every_n_steps,
+            strict_collectives=strict_collectives,
+            verify_collectives=verify_collectives,
+            collective_timeout_s=collective_timeout_s,
+            handle_sigterm=handle_sigterm,
+        )
 
     # ---- devices, ranks, process group ----
 
@@ -231,14 +252,18 @@ class ShardLabStrategy(ParallelStrategy):
     @override
     def precision_plugin(self) -> ShardLabPrecision:
         plugin = self._precision_plugin
-        return plugin if isinstance(plugin, ShardLabPrecision) else ShardLabPrecision(
-            norm_type=self.config.gradient_clip_norm_type
+        return (
+            plugin
+            if isinstance(plugin, ShardLabPrecision)
+            else ShardLabPrecision(norm_type=self.config.gradient_clip_norm_type)
         )
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = None if plugin is None else shardlab_precision(plugin, self.config.gradient_clip_norm_type)
+        self._precision_plugin = (
+            None if plugin is None else shardlab_precision(plugin, self.config.gradient_clip_norm_type)
+        )
 
     # ---- setup: shard the module, then rewrite the optimizers ----
 
@@ -253,14 +278,26 @@ class ShardLabStrategy(ParallelStrategy):
         assert self.comm is not None and self.lightning_module is not None
         plugin = self.precision_plugin
         plugin.device_type = self.root_device.type
-        self.sharded = shard_model(self.lightning_module, self.config, self.comm, plugin.policy(self.config.reduce_dtype))
+        self.sharded = shard_model(
+            self.lightning_module, self.config, self.comm, plugin.policy(self.config.reduce_dtype)
+        )
         self.comm = self.sharded.comm  # a module sharded by an earlier Trainer keeps its comm and ledger
-        if self.sanity_config.verify_collectives:
+        if self._sanity_driver(trainer).config.verify_collectives:
             self.sharded.verify_collectives()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         plugin.sharded = self.sharded
+
+    def _sanity_driver(self, trainer: Trainer) -> ShardLabSanity:
+        """The one driver of the sanity checks: the user's ``ShardLabSanity`` with its options, else one with the
+        strategy's (added to the Trainer's callbacks, so it runs in fit like any callback)."""
+        for callback in trainer.callbacks:
+            if isinstance(callback, ShardLabSanity):
+                return callback
+        driver = ShardLabSanity.from_config(self.sanity_config)
+        trainer.callbacks.append(driver)
+        return driver
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -327,42 +364,6 @@ class ShardLabStrategy(ParallelStrategy):
         with self.sharded.step(keep_root_gathered=False):
             return super().predict_step(*args, **kwargs)
 
-    # ---- sanity: fingerprints, replicated state, data, watchdog, SIGTERM (sanity_guard.py) ----
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        assert self.sharded is not None and self.lightning_module is not None
-        if any(isinstance(c, ShardLabSanity) for c in self.lightning_module.trainer.callbacks):
-            return  # the user's own ShardLabSanity callback, with its options, runs the checks
-        self.sanity = SanityGuard(self.sharded, self.optimizers, self.sanity_config).start()
-        self.sanity.install_sigterm()  # after Lightning registered its own handler
-        self._sanity_batches = 0
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if self.sanity is None:
-            return
-        if self._sanity_batches and self.sanity.stop_after(self._sanity_batches - 1):
-            raise SIGTERMException  # on every rank, at the same batch
-        self.sanity.before_step(self._sanity_batches, batch)
-        self._sanity_batches += 1
-
-    @override
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        if self.sanity is not None:
-            self.sanity.finish()
-            self.sanity = None
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        if self.sanity is not None:
-            self.sanity.handle_exception(exception)
-            self.sanity = None
-
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         assert self.sharded is not None
@@ -395,7 +396,7 @@ class ShardLabStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        """Metrics (``self.log(..., sync_dist=True)``) and Lightning's decisions: through collectives.py, so they
+        """Metrics (``self.log(..., sync_dist=True)``) and Lightning's decisions: through comm/collectives.py, so they
         are verified and the watchdog sees them wait; other groups and operations go to Lightning's helper."""
         if not isinstance(tensor, Tensor):
             return tensor
@@ -418,7 +419,7 @@ class ShardLabStrategy(ParallelStrategy):
             return obj
         return collectives.broadcast_object(obj, self.comm, src)
 
-    # ---- state dicts and checkpoints ("sharded" directories or "full" files: checkpoint.py) ----
+    # ---- state dicts and checkpoints ("sharded" directories or "full" files: checkpoint/io.py) ----
 
     def full_state_dict(self, ema: bool = False) -> dict[str, Any]:
         """Collective: the unsharded ``module.state_dict()`` (CPU tensors) on global rank 0, ``{}`` elsewhere;
@@ -429,7 +430,8 @@ class ShardLabStrategy(ParallelStrategy):
     def gathered_params(self, modules: Modules = None, writeback: bool = False) -> AbstractContextManager[None]:
         """Collective: ``with trainer.strategy.gathered_params(modules=None, writeback=False):`` gives the
         module the full weights (fp32 masters) of the units owning ``modules``' parameters (every unit if None)
-        for the block; with ``writeback=True`` changes made inside go back to every rank's shards (gathered.py)."""
+        for the block; with ``writeback=True`` changes made inside go back to every rank's shards
+        (sharding/gathered.py)."""
         assert self.sharded is not None, "gathered_params() needs the model set up by trainer.fit/validate/..."
         return gathered_params(self.sharded, modules, writeback)
 
@@ -449,8 +451,15 @@ class ShardLabStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Collective: written atomically, by every rank (sharded) or by rank 0 (full)."""
         assert self.sharded is not None, "save_checkpoint() needs the model set up by trainer.fit/validate/..."
-        ckpt.save(checkpoint, filepath, self.sharded, self.optimizers, self.precision_plugin.precision,
-                  self.checkpoint_io, storage_options)
+        ckpt.save(
+            checkpoint,
+            filepath,
+            self.sharded,
+            self.optimizers,
+            self.precision_plugin.precision,
+            self.checkpoint_io,
+            storage_options,
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -489,7 +498,12 @@ class ShardLabStrategy(ParallelStrategy):
         if self.sharded is not None:
             self.sharded.wait_gathers()  # the refresh after the last optimizer step may still be travelling
         lm = self.lightning_module
-        if lm is not None and lm._trainer is not None and lm._trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+        if (
+            lm is not None
+            and lm._trainer is not None
+            and lm._trainer.state.fn == TrainerFn.FITTING
+            and self._layer_sync
+        ):
             self.model = self._layer_sync.revert(self.model)
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
@@ -503,4 +517,3 @@ class ShardLabStrategy(ParallelStrategy):
             strategy_registry.register(
                 name, cls, description=f"shardlab: ZeRO stage {stage} sharded data parallel", override=True, stage=stage
             )
-

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from lightning_shardlab import Comm, ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
-from tests.launch import run_ranks
-from tests.models import OrderedData, OddNet, TinyGPT, token_dataset
+from tests.helpers.launch import run_ranks
+from tests.models import OddNet, OrderedData, TinyGPT, token_dataset
 
 
 @pytest.mark.parametrize(
@@ -39,8 +39,9 @@ def test_invalid_option_raises_value_error_naming_it(kwargs: dict, names: list[s
 
 
 def test_valid_options_are_settled_once() -> None:
-    strategy = ShardLabStrategy(stage=2, accumulation="defer", gradient_clip_norm_type="inf",
-                                unit_classes=["torch.nn.TransformerEncoderLayer"])
+    strategy = ShardLabStrategy(
+        stage=2, accumulation="defer", gradient_clip_norm_type="inf", unit_classes=["torch.nn.TransformerEncoderLayer"]
+    )
     assert int(strategy.config.stage) == 2 and strategy.config.accumulation.value == "defer"
     assert strategy.config.gradient_clip_norm_type == float("inf")
     assert strategy.config.unit_types == (nn.TransformerEncoderLayer,)
@@ -89,11 +90,19 @@ def differing_model_fit() -> dict:
     torch.manual_seed(0)
     model = TinyGPT()
     if rank == 1:
-        model.blocks[1].mlp[0] = nn.Linear(18, 71)
+        model.blocks[1].mlp.fc = nn.Linear(18, 71, bias=False)
     data = token_dataset(8)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ShardLabStrategy(), max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ShardLabStrategy(),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
     trainer.fit(model, OrderedData(data, 2))
     return {}
 
@@ -103,4 +112,4 @@ def test_model_that_differs_across_ranks_raises_on_every_rank_without_hanging() 
     for rank, (returncode, log) in enumerate(results):
         assert returncode != 0, f"rank {rank} did not fail"
         assert "ValueError" in log and "the model differs across ranks" in log, log[-2000:]
-        assert "blocks.1.mlp.0.weight" in log and "(72, 18)" in log and "(71, 18)" in log
+        assert "blocks.1.mlp.fc.weight" in log and "(72, 18)" in log and "(71, 18)" in log

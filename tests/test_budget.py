@@ -12,11 +12,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_shardlab import ShardLabBudget, ShardLabStrategy
+from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, measure_memory
+from lightning_shardlab.budget.plan import INTERCONNECTS, plan_model
+from lightning_shardlab.budget.plan import main as plan_main
 from lightning_shardlab.config import ShardLabConfig, Stage
-from lightning_shardlab.ledger import MEMORY_CATEGORIES, measure_memory
-from lightning_shardlab.plan import INTERCONNECTS, main as plan_main, plan_model
-from tests.counting import live_cpu_bytes
-from tests.launch import run_ranks
+from tests.helpers.counting import live_cpu_bytes
+from tests.helpers.launch import run_ranks
 from tests.models import OrderedData, TinyGPT, token_dataset
 
 GPT = {"vocab": 61, "block_size": 8, "n_layer": 3, "n_embd": 48, "n_head": 4}
@@ -46,6 +47,7 @@ class IndependentCounts(L.Callback):
                 full = out if kind == "all_gather" else inp
                 self.bytes[kind] += full.numel() * full.element_size()
                 return fn(out, inp, *args, **kwargs)
+
             return counted
 
         dist.all_gather_single = wrap("all_gather", self.originals["all_gather_single"])
@@ -62,10 +64,20 @@ def budget_run(world_size: int, stage: int, out: str, steps: int = 6) -> dict:
     counts = IndependentCounts(exclude=list(data.tensors))
     budget = ShardLabBudget()  # it logs through its own collective: counted separately, under "budget"
     strategy = ShardLabStrategy(stage=stage, transport="builtin", sanity_every_n_steps=0)  # parameter traffic only
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, default_root_dir=out, callbacks=[counts, budget],
-                        limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=out,
+        callbacks=[counts, budget],
+        limit_val_batches=0,
+    )
     trainer.fit(TinyGPT(**GPT), OrderedData(data, 2))
     trainer.strategy.barrier()  # rank 0 writes the file
     report = json.loads((Path(out) / "shardlab_budget.json").read_text())[trainer.global_rank]
@@ -74,8 +86,9 @@ def budget_run(world_size: int, stage: int, out: str, steps: int = 6) -> dict:
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_ledger_equals_independent_counts_and_its_predictions(stage: int, tmp_path: Path) -> None:
-    for result in run_ranks("tests.test_budget:budget_run", 2, {"world_size": 2, "stage": stage, "out": str(tmp_path)},
-                            timeout=180):
+    for result in run_ranks(
+        "tests.test_budget:budget_run", 2, {"world_size": 2, "stage": stage, "out": str(tmp_path)}, timeout=180
+    ):
         report = result["report"]
         steps = report["optimizer_steps"]
         # memory: the ledger's model state is what is alive in the process (Lightning's few scalars aside)
@@ -92,8 +105,9 @@ def test_ledger_equals_independent_counts_and_its_predictions(stage: int, tmp_pa
 
 def test_a_single_step_run_reports_its_warm_up_step(tmp_path: Path) -> None:
     """The steady state leaves the first step out; with no other step, that step is what is reported."""
-    report = run_ranks("tests.test_budget:budget_run", 2,
-                       {"world_size": 2, "stage": 3, "out": str(tmp_path), "steps": 1}, timeout=180)[0]["report"]
+    report = run_ranks(
+        "tests.test_budget:budget_run", 2, {"world_size": 2, "stage": 3, "out": str(tmp_path), "steps": 1}, timeout=180
+    )[0]["report"]
     assert report["optimizer_steps"] == 1
     predicted = report["comm_predicted_per_step"]
     # no forward order yet: the unit that runs forward last is gathered again for its backward
@@ -106,8 +120,9 @@ def test_stage_3_moves_about_one_and_a_half_times_the_bytes_of_stages_1_and_2(tm
     moved = {}
     for stage in (2, 3):
         out = tmp_path / str(stage)
-        result = run_ranks("tests.test_budget:budget_run", 2, {"world_size": 2, "stage": stage, "out": str(out)},
-                           timeout=180)[0]
+        result = run_ranks(
+            "tests.test_budget:budget_run", 2, {"world_size": 2, "stage": stage, "out": str(out)}, timeout=180
+        )[0]
         moved[stage] = sum(c["bytes"] for k, c in result["report"]["comm_per_step"].items() if k != "budget")
     # the root unit (embeddings, head) is gathered once per step, not twice, so a little under 1.5
     assert 1.3 < moved[3] / moved[2] <= 1.5
@@ -115,12 +130,23 @@ def test_stage_3_moves_about_one_and_a_half_times_the_bytes_of_stages_1_and_2(tm
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_plan_of_a_real_model_agrees_with_a_real_run(world_size: int, tmp_path: Path) -> None:
-    results = run_ranks("tests.test_budget:budget_run", world_size,
-                        {"world_size": world_size, "stage": 3, "out": str(tmp_path)}, timeout=240)
+    results = run_ranks(
+        "tests.test_budget:budget_run",
+        world_size,
+        {"world_size": world_size, "stage": 3, "out": str(tmp_path)},
+        timeout=240,
+    )
     with torch.device("meta"):
         model = TinyGPT(**GPT)
-    plan = plan_model(model, ShardLabConfig(stage=Stage.PARAMETERS), world_size, "32-true", "adamw",
-                      INTERCONNECTS["nvlink"], "TinyGPT")
+    plan = plan_model(
+        model,
+        ShardLabConfig(stage=Stage.PARAMETERS),
+        world_size,
+        "32-true",
+        "adamw",
+        INTERCONNECTS["nvlink"],
+        "TinyGPT",
+    )
     for rank, result in enumerate(results):
         measured = result["report"]["memory_measured"]
         assert {k: measured[k] for k in MEMORY_CATEGORIES} == plan.per_rank[rank]

@@ -18,13 +18,18 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor
 
 from lightning_shardlab import ShardLabStrategy
-from lightning_shardlab.checkpoint import full_optimizer_state
-from lightning_shardlab.checkpoint_inspect import describe
-from tests.launch import run_ranks
+from lightning_shardlab.checkpoint.inspect import describe
+from lightning_shardlab.checkpoint.io import full_optimizer_state
+from tests.helpers.launch import run_ranks
 from tests.models import OrderedData, TinyCNN, TinyGPT, image_dataset, token_dataset
 
-QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-             num_sanity_val_steps=0)
+QUIET = dict(
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    use_distributed_sampler=False,
+    num_sanity_val_steps=0,
+)
 
 
 # ---- helpers shared by the checkpoint tests ----
@@ -37,8 +42,9 @@ class RankTally(Callback):
     def __init__(self) -> None:
         self.batches, self.token_sum = 0, 0
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.batches += 1
         self.token_sum += int(batch[0].sum())
 
@@ -92,21 +98,40 @@ def complete_checkpoints(directory: Path) -> dict[str, bool]:
 # ---- exact resume ----
 
 
-def _fit(world_size: int, stage: int, epochs: int, seed: int, state_dict_type: str, callbacks: list,
-         ckpt_path: str | None = None, optimizer: str = "adamw", precision: str = "32-true") -> tuple[L.Trainer, TinyGPT]:
+def _fit(
+    world_size: int,
+    stage: int,
+    epochs: int,
+    seed: int,
+    state_dict_type: str,
+    callbacks: list,
+    ckpt_path: str | None = None,
+    optimizer: str = "adamw",
+    precision: str = "32-true",
+) -> tuple[L.Trainer, TinyGPT]:
     torch.manual_seed(seed)
     model = TinyGPT(optimizer=optimizer)
     data = token_dataset(4 * 2 * world_size)
     strategy = ShardLabStrategy(stage=stage, state_dict_type=state_dict_type)
     saving = any(isinstance(c, ModelCheckpoint) for c in callbacks)
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=epochs, precision=precision,
-                        enable_checkpointing=saving, callbacks=callbacks, limit_val_batches=2, **QUIET)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_epochs=epochs,
+        precision=precision,
+        enable_checkpointing=saving,
+        callbacks=callbacks,
+        limit_val_batches=2,
+        **QUIET,
+    )
     trainer.fit(model, OrderedData(data, 2), ckpt_path=ckpt_path)
     return trainer, model
 
 
-def resume_exact(world_size: int, stage: int, state_dict_type: str, optimizer: str, precision: str, link_last: bool,
-                 tmp: str) -> dict:
+def resume_exact(
+    world_size: int, stage: int, state_dict_type: str, optimizer: str, precision: str, link_last: bool, tmp: str
+) -> dict:
     """4 epochs straight vs 2 epochs, ModelCheckpoint (top-1 by val_loss + last, a copy or a link), resume to 4
     from last (its path, or ``ckpt_path="last"``); then validate and test from the best on a fresh model."""
     rank, tmp_dir = int(os.environ["RANK"]), Path(tmp)
@@ -122,41 +147,78 @@ def resume_exact(world_size: int, stage: int, state_dict_type: str, optimizer: s
             if trainer.current_epoch == 1:
                 ListAtEpochStart.listing = sorted(os.listdir(tmp_dir / "ckpts"))
 
-    saver = ModelCheckpoint(dirpath=tmp_dir / "ckpts", monitor="val_loss", save_top_k=1,
-                            save_last="link" if link_last else True)
+    saver = ModelCheckpoint(
+        dirpath=tmp_dir / "ckpts", monitor="val_loss", save_top_k=1, save_last="link" if link_last else True
+    )
     half_trainer, _ = _fit(world_size, stage, 2, seed=0, callbacks=[RankTally(), saver, ListAtEpochStart()], **run)
     half_trainer.save_checkpoint(tmp_dir / "explicit.ckpt")  # trainer.save_checkpoint, the same state as last
     resumed_tally = RankTally()
-    finder = [ModelCheckpoint(dirpath=tmp_dir / "ckpts", save_top_k=0)] if link_last else []  # finds "last", saves nothing
-    resumed_trainer, _ = _fit(world_size, stage, 4, seed=123, callbacks=[resumed_tally, *finder],  # other initial weights
-                              ckpt_path="last" if link_last else saver.last_model_path, **run)
+    finder = (
+        [ModelCheckpoint(dirpath=tmp_dir / "ckpts", save_top_k=0)] if link_last else []
+    )  # finds "last", saves nothing
+    resumed_trainer, _ = _fit(
+        world_size,
+        stage,
+        4,
+        seed=123,
+        callbacks=[resumed_tally, *finder],  # other initial weights
+        ckpt_path="last" if link_last else saver.last_model_path,
+        **run,
+    )
     resumed = snapshot(resumed_trainer)
 
     torch.manual_seed(7)
-    evaluator = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardLabStrategy(stage=stage), precision=precision,
-                          limit_val_batches=2, limit_test_batches=2, enable_checkpointing=False, **QUIET)
+    evaluator = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ShardLabStrategy(stage=stage),
+        precision=precision,
+        limit_val_batches=2,
+        limit_test_batches=2,
+        enable_checkpointing=False,
+        **QUIET,
+    )
     data = OrderedData(token_dataset(4 * 2 * world_size), 2)
     val = evaluator.validate(TinyGPT(), data, ckpt_path=saver.best_model_path, verbose=False)[0]["val_loss"]
     test = evaluator.test(TinyGPT(), data, ckpt_path=saver.best_model_path, verbose=False)[0]["test_loss"]
     return {
-        "rank": rank, "tally": (tally.batches, tally.token_sum),
+        "rank": rank,
+        "tally": (tally.batches, tally.token_sum),
         "resumed_tally": (resumed_tally.batches, resumed_tally.token_sum),
-        "differences": differences(straight, resumed), "state": straight.get("state"),
-        "best": saver.best_model_path, "best_score": float(saver.best_model_score), "last": saver.last_model_path,
+        "differences": differences(straight, resumed),
+        "state": straight.get("state"),
+        "best": saver.best_model_path,
+        "best_score": float(saver.best_model_score),
+        "last": saver.last_model_path,
         "resumed_from": resumed_trainer.ckpt_path,
-        "listing_epoch_1": ListAtEpochStart.listing, "val": val, "test": test,
+        "listing_epoch_1": ListAtEpochStart.listing,
+        "val": val,
+        "test": test,
     }
 
 
-@pytest.mark.parametrize(("stage", "state_dict_type", "optimizer", "precision", "link_last"), [
-    (1, "sharded", "adamw", "32-true", False), (2, "sharded", "sgd", "32-true", True),
-    (3, "sharded", "adamw", "32-true", False), (3, "sharded", "adamw", "bf16-mixed", False),
-    (3, "full", "sgd", "32-true", True),
-])
-def test_resume_equals_uninterrupted_run_bit_for_bit(stage: int, state_dict_type: str, optimizer: str, precision: str,
-                                                     link_last: bool, tmp_path: Path) -> None:
-    kwargs = {"world_size": 2, "stage": stage, "state_dict_type": state_dict_type, "optimizer": optimizer,
-              "precision": precision, "link_last": link_last, "tmp": str(tmp_path)}
+@pytest.mark.parametrize(
+    ("stage", "state_dict_type", "optimizer", "precision", "link_last"),
+    [
+        (1, "sharded", "adamw", "32-true", False),
+        (2, "sharded", "sgd", "32-true", True),
+        (3, "sharded", "adamw", "32-true", False),
+        (3, "sharded", "adamw", "bf16-mixed", False),
+        (3, "full", "sgd", "32-true", True),
+    ],
+)
+def test_resume_equals_uninterrupted_run_bit_for_bit(
+    stage: int, state_dict_type: str, optimizer: str, precision: str, link_last: bool, tmp_path: Path
+) -> None:
+    kwargs = {
+        "world_size": 2,
+        "stage": stage,
+        "state_dict_type": state_dict_type,
+        "optimizer": optimizer,
+        "precision": precision,
+        "link_last": link_last,
+        "tmp": str(tmp_path),
+    }
     reports = run_ranks("tests.test_checkpoint:resume_exact", 2, kwargs, timeout=300)
     first = reports[0]
     assert first["state"] and first["differences"] == [], first["differences"]  # weights, moments, steps
@@ -192,8 +254,16 @@ class BuffersAtStart(Callback):
 
 def _fit_cnn(world_size: int, epochs: int, seed: int, ckpt_path: str | None = None) -> L.Trainer:
     torch.manual_seed(seed)
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardLabStrategy(stage=2), max_epochs=epochs,
-                        enable_checkpointing=False, limit_val_batches=0, callbacks=[BuffersAtStart()], **QUIET)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ShardLabStrategy(stage=2),
+        max_epochs=epochs,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        callbacks=[BuffersAtStart()],
+        **QUIET,
+    )
     trainer.fit(TinyCNN(), OrderedData(image_dataset(12), 6 // world_size), ckpt_path=ckpt_path)
     return trainer
 

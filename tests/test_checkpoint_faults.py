@@ -15,19 +15,26 @@ import lightning as L
 import pytest
 import torch
 
-import lightning_shardlab.checkpoint_sharded as checkpoint_sharded
+import lightning_shardlab.checkpoint.sharded as checkpoint_sharded
 from lightning_shardlab import ShardLabStrategy
-from lightning_shardlab.checkpoint_files import CheckpointError, leftovers
-from lightning_shardlab.checkpoint_inspect import describe
-from tests.launch import RankFailed, run_ranks
+from lightning_shardlab.checkpoint.files import CheckpointError, leftovers
+from lightning_shardlab.checkpoint.inspect import describe
+from tests.helpers.launch import RankFailed, run_ranks
 from tests.models import OrderedData, TinyGPT, token_dataset
 from tests.test_checkpoint import QUIET, differences, snapshot
 
 
 def _fit(epochs: int, ckpt_path: str | None = None, seed: int = 0) -> L.Trainer:
     torch.manual_seed(seed)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ShardLabStrategy(stage=3), max_epochs=epochs,
-                        enable_checkpointing=False, limit_val_batches=0, **QUIET)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ShardLabStrategy(stage=3),
+        max_epochs=epochs,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        **QUIET,
+    )
     trainer.fit(TinyGPT(), OrderedData(token_dataset(16), 2), ckpt_path=ckpt_path)
     return trainer
 
@@ -71,9 +78,12 @@ def resume_and_refuse(tmp: str, variants: list[str]) -> dict:
     for name in variants:
         model = TinyGPT(n_embd=24) if name == "other_model" else TinyGPT()
         source = tmp_dir / ("ckpt" if name == "other_model" else name)
-        evaluator = L.Trainer(accelerator="cpu", devices=2, strategy=ShardLabStrategy(stage=3), limit_val_batches=1, **QUIET)
-        refused[name] = _refusal(lambda: evaluator.validate(model, OrderedData(token_dataset(16), 2),
-                                                            ckpt_path=str(source), verbose=False))
+        evaluator = L.Trainer(
+            accelerator="cpu", devices=2, strategy=ShardLabStrategy(stage=3), limit_val_batches=1, **QUIET
+        )
+        refused[name] = _refusal(
+            lambda: evaluator.validate(model, OrderedData(token_dataset(16), 2), ckpt_path=str(source), verbose=False)
+        )
 
     def no_space(obj: dict, path: Path) -> dict:
         raise OSError(28, "No space left on device", str(path))
@@ -122,8 +132,12 @@ def test_killed_rank_leaves_the_previous_checkpoint_and_damage_is_refused(tmp_pa
     shutil.copytree(unfinished, tmp_path / "unfinished")
     expected = {**_damage(ckpt, tmp_path), "unfinished": "unfinished"}
 
-    reports = run_ranks("tests.test_checkpoint_faults:resume_and_refuse", 2,
-                        {"tmp": str(tmp_path), "variants": [*expected, "other_model"]}, timeout=300)
+    reports = run_ranks(
+        "tests.test_checkpoint_faults:resume_and_refuse",
+        2,
+        {"tmp": str(tmp_path), "variants": [*expected, "other_model"]},
+        timeout=300,
+    )
     assert reports[0]["differences"] == []  # the surviving checkpoint resumes exactly
     for name, file in expected.items():
         refusals = [r["refused"][name] for r in reports]

@@ -26,11 +26,11 @@ import torch
 from torch.testing import assert_close
 
 from lightning_shardlab import ShardLabStrategy
-from lightning_shardlab.checkpoint_consolidate import consolidate
-from lightning_shardlab.checkpoint_inspect import describe
-from tests.launch import run_commands, run_ranks
+from lightning_shardlab.checkpoint.consolidate import consolidate
+from lightning_shardlab.checkpoint.inspect import describe
+from tests.helpers.launch import run_commands, run_ranks
+from tests.helpers.reference import FP32
 from tests.models import GroupedGPT, OrderedData, RegressionNet, global_batches, regression_dataset, token_dataset
-from tests.reference import FP32
 from tests.test_checkpoint import QUIET, RankTally, Snapshot, differences, snapshot
 
 GLOBAL_BATCH, STEPS_PER_EPOCH = 12, 2
@@ -60,8 +60,16 @@ def _data(world_size: int) -> OrderedData:
 
 
 def _trainer(world_size: int, stage: int, epochs: int, callbacks: list) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardLabStrategy(stage=stage), max_epochs=epochs,
-                     enable_checkpointing=False, limit_val_batches=0, callbacks=callbacks, **QUIET)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ShardLabStrategy(stage=stage),
+        max_epochs=epochs,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        **QUIET,
+    )
 
 
 def save_first(tmp: str) -> dict:
@@ -73,15 +81,17 @@ def save_first(tmp: str) -> dict:
     return {"saved": snapshot(trainer), "token_sum": tally.token_sum}
 
 
-def load_and_continue(world_size: int, stage: int, src: str, epochs: int, save_to: str | None = None,
-                      refuse_first: bool = False) -> dict:
+def load_and_continue(
+    world_size: int, stage: int, src: str, epochs: int, save_to: str | None = None, refuse_first: bool = False
+) -> dict:
     """Resume ``src`` on this world size and stage; optionally save after. With ``refuse_first``, first try
     with a callback whose per-rank state cannot be resharded, and report the error."""
     out: dict[str, Any] = {"rank": int(os.environ["RANK"])}
     if refuse_first:
         try:
-            _trainer(world_size, stage, epochs, [UnreshardableTally()]).fit(GroupedGPT(), _data(world_size),
-                                                                            ckpt_path=src)
+            _trainer(world_size, stage, epochs, [UnreshardableTally()]).fit(
+                GroupedGPT(), _data(world_size), ckpt_path=src
+            )
             out["refused"] = None
         except ValueError as err:
             out["refused"] = str(err)
@@ -91,8 +101,14 @@ def load_and_continue(world_size: int, stage: int, src: str, epochs: int, save_t
     trainer.fit(GroupedGPT(), _data(world_size), ckpt_path=src)
     if save_to:
         trainer.save_checkpoint(save_to)
-    out.update({"loaded": at_start.at_start, "final": snapshot(trainer), "token_sum": tally.token_sum,
-                "batches": tally.batches})
+    out.update(
+        {
+            "loaded": at_start.at_start,
+            "final": snapshot(trainer),
+            "token_sum": tally.token_sum,
+            "batches": tally.batches,
+        }
+    )
     return out
 
 
@@ -149,13 +165,24 @@ def test_reshard_across_world_sizes_and_stages(checkpoint_a: tuple[Path, list[di
     assert differences(consolidated["optimizer_states"], saved["optim"]) == []
     reference = reference_continuation(consolidated, 1)
 
-    one = run_ranks("tests.test_checkpoint_reshard:load_and_continue", 1,
-                    {"world_size": 1, "stage": 3, "src": a, "epochs": 2}, timeout=120)
-    three = run_ranks("tests.test_checkpoint_reshard:load_and_continue", 3,
-                      {"world_size": 3, "stage": 1, "src": a, "epochs": 2, "save_to": f"{tmp}/B3", "refuse_first": True},
-                      timeout=180)
-    four = run_ranks("tests.test_checkpoint_reshard:load_and_continue", 4,
-                     {"world_size": 4, "stage": 2, "src": a, "epochs": 2, "save_to": f"{tmp}/B4"}, timeout=240)
+    one = run_ranks(
+        "tests.test_checkpoint_reshard:load_and_continue",
+        1,
+        {"world_size": 1, "stage": 3, "src": a, "epochs": 2},
+        timeout=120,
+    )
+    three = run_ranks(
+        "tests.test_checkpoint_reshard:load_and_continue",
+        3,
+        {"world_size": 3, "stage": 1, "src": a, "epochs": 2, "save_to": f"{tmp}/B3", "refuse_first": True},
+        timeout=180,
+    )
+    four = run_ranks(
+        "tests.test_checkpoint_reshard:load_and_continue",
+        4,
+        {"world_size": 4, "stage": 2, "src": a, "epochs": 2, "save_to": f"{tmp}/B4"},
+        timeout=240,
+    )
     for run in (one, three, four):
         assert differences(run[0]["loaded"], saved) == []  # weights, moments, steps, param groups: exact
         assert_matches_reference(run[0]["final"], reference)  # and training goes on as unsharded training does
@@ -170,8 +197,12 @@ def test_reshard_across_world_sizes_and_stages(checkpoint_a: tuple[Path, list[di
     assert "checkpoint['callbacks']['Tally']['token_sum']" in message and "HINT:" in message
     assert "saved on 2 ranks" in message and "3 ranks" in message
 
-    back = run_ranks("tests.test_checkpoint_reshard:load_many", 2,
-                     {"world_size": 2, "stage": 3, "srcs": [f"{tmp}/B3", f"{tmp}/B4"], "epochs": 3}, timeout=180)
+    back = run_ranks(
+        "tests.test_checkpoint_reshard:load_many",
+        2,
+        {"world_size": 2, "stage": 3, "srcs": [f"{tmp}/B3", f"{tmp}/B4"], "epochs": 3},
+        timeout=180,
+    )
     for i, (source, name) in enumerate(((three, "B3"), (four, "B4"))):  # 3 -> 2 (stage 1 -> 3), 4 -> 2 (2 -> 3)
         run = [back[r][i] for r in range(2)]
         assert differences(run[0]["loaded"], source[0]["final"]) == []
@@ -180,23 +211,25 @@ def test_reshard_across_world_sizes_and_stages(checkpoint_a: tuple[Path, list[di
         assert_matches_reference(run[0]["final"], reference)
 
 
-def test_consolidated_checkpoint_loads_without_this_package(checkpoint_a: tuple[Path, list[dict]],
-                                                            tmp_path: Path) -> None:
+def test_consolidated_checkpoint_loads_without_this_package(
+    checkpoint_a: tuple[Path, list[dict]], tmp_path: Path
+) -> None:
     a = checkpoint_a[0]
     dst = tmp_path / "plain.ckpt"
-    code = (
+    code = (  # plain torch reads the file: no class of this package is in it, and nothing of it is imported
         "import sys, torch\n"
-        "from tests.models import GroupedGPT\n"
-        f"model = GroupedGPT.load_from_checkpoint({str(dst)!r}, map_location='cpu', strict=True)\n"
-        "assert not any(m.startswith('lightning_shardlab') for m in sys.modules), 'imported lightning_shardlab'\n"
         f"ckpt = torch.load({str(dst)!r}, weights_only=True)\n"
-        "assert list(ckpt['state_dict']) == list(model.state_dict())\n"
-        "assert all(torch.equal(v, ckpt['state_dict'][k]) for k, v in model.state_dict().items())\n"
+        "assert not any(m.startswith('lightning_shardlab') for m in sys.modules), 'imported lightning_shardlab'\n"
         "print('plain load ok', len(ckpt['state_dict']))\n"
     )
     run_commands([[sys.executable, "-m", "lightning_shardlab.cli", "consolidate", str(a), str(dst)]], timeout=120)
     (output,) = run_commands([[sys.executable, "-c", code]], timeout=120)
     assert "plain load ok" in output
+    # ... and Lightning's own loader restores the module from it, strictly
+    model = GroupedGPT.load_from_checkpoint(dst, map_location="cpu", strict=True)
+    ckpt = torch.load(dst, weights_only=True)
+    assert list(ckpt["state_dict"]) == list(model.state_dict())
+    assert all(torch.equal(v, ckpt["state_dict"][k]) for k, v in model.state_dict().items())
     # shardlab inspect: stage, world size, units, bytes per rank, and where every parameter lives
     info = describe(a, verify=True)
     assert info["problems"] == [] and info["verified"]
@@ -221,8 +254,9 @@ def _fit_regression(world_size: int, stage: int, epochs: int, src: str | None, s
     torch.manual_seed(world_size)
     at_start = Snapshot()
     trainer = _trainer(world_size, stage, epochs, [at_start])
-    trainer.fit(RegressionNet("sgd"), OrderedData(regression_dataset(GLOBAL_BATCH), GLOBAL_BATCH // world_size),
-                ckpt_path=src)
+    trainer.fit(
+        RegressionNet("sgd"), OrderedData(regression_dataset(GLOBAL_BATCH), GLOBAL_BATCH // world_size), ckpt_path=src
+    )
     if save_to:
         trainer.save_checkpoint(save_to)
     return {"loaded": at_start.at_start, "final": snapshot(trainer)}
@@ -232,12 +266,20 @@ def test_reshard_with_padding_and_empty_shards(tmp_path: Path) -> None:
     """OddNet (7, 15, 17, a size-1 layer, two one-element gate units): 3 ranks stage 3 -> 4 ranks stage 1.
     Ranks that hold only padding write empty slices and read what their new shard needs."""
     r3 = str(tmp_path / "R3")
-    (three,) = run_ranks("tests.test_checkpoint_reshard:_fit_regression", 3,
-                         {"world_size": 3, "stage": 3, "epochs": 1, "src": None, "save_to": r3}, timeout=120)[:1]
+    (three,) = run_ranks(
+        "tests.test_checkpoint_reshard:_fit_regression",
+        3,
+        {"world_size": 3, "stage": 3, "epochs": 1, "src": None, "save_to": r3},
+        timeout=120,
+    )[:1]
     gate = describe(r3)["parameters"]
     assert [p["ranks"] for p in gate if p["name"] == "net.gates.1.scale"] == [[[0, 0, 1]]]  # ranks 1, 2: padding
-    (four,) = run_ranks("tests.test_checkpoint_reshard:_fit_regression", 4,
-                        {"world_size": 4, "stage": 1, "epochs": 2, "src": r3, "save_to": None}, timeout=180)[:1]
+    (four,) = run_ranks(
+        "tests.test_checkpoint_reshard:_fit_regression",
+        4,
+        {"world_size": 4, "stage": 1, "epochs": 2, "src": r3, "save_to": None},
+        timeout=180,
+    )[:1]
     assert differences(four["loaded"], three["final"]) == []
     consolidated = consolidate(r3, tmp_path / "R3.ckpt")
     model = RegressionNet("sgd")

@@ -8,18 +8,34 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_shardlab.checkpoint_files import (CheckpointError, check_file, clear_leftovers, commit, file_record,
-                                                 leftovers, remove_path)
-from lightning_shardlab.checkpoint_rank_state import (ABSENT, Owners, SavedRankStates, differing_paths, get_or_absent,
-                                                      restore, tree_digests)
+from lightning_shardlab.checkpoint.files import (
+    CheckpointError,
+    check_file,
+    clear_leftovers,
+    commit,
+    file_record,
+    leftovers,
+    remove_path,
+)
+from lightning_shardlab.checkpoint.rank_state import (
+    ABSENT,
+    Owners,
+    SavedRankStates,
+    differing_paths,
+    get_or_absent,
+    restore,
+    tree_digests,
+)
 
 
 def _dump(rank: int) -> dict:
     """A Lightning-like dump as rank ``rank`` would make it."""
     return {
         "epoch": 3,
-        "loops": {"fit_loop": {"state_dict": {"combined_loader": [{"position": 10 + rank}]}, "epoch_progress": {"n": 3}},
-                  "validate_loop": {"seen": rank}},
+        "loops": {
+            "fit_loop": {"state_dict": {"combined_loader": [{"position": 10 + rank}]}, "epoch_progress": {"n": 3}},
+            "validate_loop": {"seen": rank},
+        },
         "callbacks": {"Counter": {"mine": torch.tensor([rank, 1]), "shared": 5}, "Same": {"x": 1.5}},
         "state_dict": {"bn.running_mean": torch.full((3,), float(rank)), "bn.num_batches_tracked": torch.tensor(7)},
         "optimizer_states": [{"differs": rank}],  # never compared: sharded exactly elsewhere
@@ -31,8 +47,11 @@ def _dump(rank: int) -> dict:
 def test_differing_paths_are_the_outermost_entries_that_differ() -> None:
     paths = differing_paths([tree_digests(_dump(r)) for r in range(3)])
     assert paths == [
-        ("loops", "fit_loop", "state_dict", "combined_loader"), ("loops", "validate_loop", "seen"),
-        ("callbacks", "Counter", "mine"), ("state_dict", "bn.running_mean"), ("only_on_rank_0",),
+        ("loops", "fit_loop", "state_dict", "combined_loader"),
+        ("loops", "validate_loop", "seen"),
+        ("callbacks", "Counter", "mine"),
+        ("state_dict", "bn.running_mean"),
+        ("only_on_rank_0",),
     ]
     assert differing_paths([tree_digests(_dump(0))] * 2) == []
 
@@ -64,7 +83,11 @@ def test_another_world_size_reshards_explicitly_or_refuses() -> None:
     restore(checkpoint, _saved(2, True), world_size=3, rank=2, owners=owners, source="ckpt")
     assert checkpoint["callbacks"]["Counter"]["mine"] == (("mine",), 2, 3, 2)  # the path below the callback's entry
     assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] == (
-        ("loops", "fit_loop", "state_dict", "combined_loader"), 2, 3, 2)  # no datamodule: the module owns loops
+        ("loops", "fit_loop", "state_dict", "combined_loader"),
+        2,
+        3,
+        2,
+    )  # no datamodule: the module owns loops
     assert checkpoint["loops"]["validate_loop"]["seen"] == 0  # not restored when fitting: rank 0's
     assert checkpoint["state_dict"]["bn.running_mean"] == (("state_dict", "bn.running_mean"), 2, 3, 2)  # its hook
     # without hooks: buffers take rank 0's values (the run broadcast them), everything else is refused, by name

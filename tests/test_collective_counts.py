@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from lightning_shardlab import ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
-from tests.counting import counting_collectives
-from tests.launch import run_ranks
+from tests.helpers.counting import counting_collectives
+from tests.helpers.launch import run_ranks
+from tests.helpers.reference import init_from_env, shutdown
 from tests.models import OddNet, regression_batches
-from tests.reference import init_from_env, shutdown
 
 
 def count_per_step(stage: int, reshard_after_forward: bool = True, steps: int = 3) -> dict:
@@ -54,8 +54,12 @@ def count_per_step(stage: int, reshard_after_forward: bool = True, steps: int = 
     ("stage", "reshard_after_forward"), [(3, True), (3, False), (2, True), (1, True)], ids=["3", "3-keep", "2", "1"]
 )
 def test_collectives_per_step(stage: int, reshard_after_forward: bool) -> None:
-    reports = run_ranks("tests.test_collective_counts:count_per_step", 3,
-                        {"stage": stage, "reshard_after_forward": reshard_after_forward}, timeout=120)
+    reports = run_ranks(
+        "tests.test_collective_counts:count_per_step",
+        3,
+        {"stage": stage, "reshard_after_forward": reshard_after_forward},
+        timeout=120,
+    )
     for report in reports:
         root, other = report["flat_params"]["root"], report["flat_params"]["other"]
         assert (root, other) == (1, 4)  # OddNet: the root unit and four block/gate units, all fp32
@@ -66,7 +70,9 @@ def test_collectives_per_step(stage: int, reshard_after_forward: bool) -> None:
                 gathers = root + other
             else:
                 gathers = root + other  # once, after the optimizer step
-            assert counts == {"all_gather_single": gathers, "reduce_scatter_single": root + other, "all_reduce": 1}, step
+            assert counts == {"all_gather_single": gathers, "reduce_scatter_single": root + other, "all_reduce": 1}, (
+                step
+            )
 
 
 def test_world_size_one_issues_no_collective() -> None:
@@ -90,11 +96,22 @@ def count_with_accumulation(stage: int, accumulation: str, optimizer_steps: int 
     torch.manual_seed(0)
     callback = CountDuringTraining()
     world = int(os.environ["WORLD_SIZE"])
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardLabStrategy(stage=stage, accumulation=accumulation, transport="builtin",
-                                                      sanity_every_n_steps=0),  # parameter traffic only
-                        max_steps=optimizer_steps, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        callbacks=[callback])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=ShardLabStrategy(
+            stage=stage, accumulation=accumulation, transport="builtin", sanity_every_n_steps=0
+        ),  # parameter traffic only
+        max_steps=optimizer_steps,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[callback],
+    )
+
     class Quiet(RegressionNet):
         def on_before_optimizer_step(self, optimizer) -> None:  # noqa: ANN001
             pass  # no grad-norm logging: its all-reduce is the user's, not ours
@@ -109,8 +126,12 @@ def count_with_accumulation(stage: int, accumulation: str, optimizer_steps: int 
 @pytest.mark.parametrize("accumulation", ["reduce", "defer"])
 def test_collectives_per_step_with_gradient_accumulation(stage: int, accumulation: str) -> None:
     """Two micro-batches per optimizer step: 'reduce' reduce-scatters after each, 'defer' only after the last."""
-    report = run_ranks("tests.test_collective_counts:count_with_accumulation", 2,
-                       {"stage": stage, "accumulation": accumulation}, timeout=120)[0]
+    report = run_ranks(
+        "tests.test_collective_counts:count_with_accumulation",
+        2,
+        {"stage": stage, "accumulation": accumulation},
+        timeout=120,
+    )[0]
     root, other, micro = 1, 4, 2  # OddNet's flat parameters; micro-batches per step
     reductions = (root + other) * (micro if accumulation == "reduce" else 1)
     steps = report["steps"]
@@ -131,7 +152,7 @@ def profiled_step() -> list[str]:
     sharded = shard_model(model, ShardLabConfig(stage=3, transport="builtin"), comm)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     shard_optimizer(optimizer, sharded)
-    (x, y), = regression_batches(1, 2 * comm.world_size)
+    ((x, y),) = regression_batches(1, 2 * comm.world_size)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with sharded.step(keep_root_gathered=True):
             loss = F.mse_loss(model(x[:2]), y[:2])
@@ -144,6 +165,11 @@ def profiled_step() -> list[str]:
 
 def test_every_collective_and_phase_is_labelled_in_the_profiler() -> None:
     names = run_ranks("tests.test_collective_counts:profiled_step", 2, {}, timeout=120)[0]
-    for label in ("all_gather (blocks.0[float32])", "reduce_scatter (blocks.0[float32])", "all_gather (root[float32])",
-                  "pre_backward (blocks.0)", "post_backward (blocks.0)"):
+    for label in (
+        "all_gather (blocks.0[float32])",
+        "reduce_scatter (blocks.0[float32])",
+        "all_gather (root[float32])",
+        "pre_backward (blocks.0)",
+        "post_backward (blocks.0)",
+    ):
         assert f"shardlab::{label}" in names, names

@@ -28,11 +28,19 @@ import torch
 from torch.testing import assert_close
 
 from lightning_shardlab import ShardLabStrategy
-from lightning_shardlab.mismatch import CollectiveMismatch
-from tests.launch import run_ranks
-from tests.models import (BranchyNet, MoENet, OrderedData, ParityModule, RankOneExtra, RegressionNet, SwappedBlocks,
-                          regression_dataset)
-from tests.reference import FP32
+from lightning_shardlab.comm.mismatch import CollectiveMismatch
+from tests.helpers.launch import run_ranks
+from tests.helpers.reference import FP32
+from tests.models import (
+    BranchyNet,
+    MoENet,
+    OrderedData,
+    ParityModule,
+    RankOneExtra,
+    RegressionNet,
+    SwappedBlocks,
+    regression_dataset,
+)
 
 
 def shardlab_stage(trainer: L.Trainer) -> int | None:
@@ -82,17 +90,27 @@ SCENARIOS = {
 
 
 def _fit(model: ParityModule, strategy: object, callback: L.Callback | None, world_size: int) -> L.Trainer:
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=6, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, callbacks=[callback] if callback else [])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[callback] if callback else [],
+    )
     trainer.fit(model, OrderedData(regression_dataset(6 * 2 * world_size), 2))
     return trainer
 
 
 def _routed_differently(model: MoENet, world_size: int) -> bool:
     """Whether, in some forward, the set of experts that got tokens differed between ranks."""
-    mine = torch.tensor([[int(e in ran) for e in range(len(layer.experts))] for layer in model.layers()
-                         for ran in layer.ran])
+    mine = torch.tensor(
+        [[int(e in ran) for e in range(len(layer.experts))] for layer in model.layers() for ran in layer.ran]
+    )
     everyone = [torch.zeros_like(mine) for _ in range(world_size)]
     torch.distributed.all_gather(everyone, mine)
     return any(not torch.equal(everyone[0], other) for other in everyone[1:])
@@ -113,11 +131,18 @@ def correct_by_default(world_size: int, names: list[str], stages: list[int]) -> 
             callback = scenario.callback() if scenario.callback else None
             trainer = _fit(model, ShardLabStrategy(stage=stage), callback, world_size)
             where = f"{name}, stage {stage}, rank {trainer.global_rank}"
-            assert_close(torch.stack(model.losses), torch.stack(reference.losses), **FP32, msg=lambda m: f"{where}\n{m}")
+            assert_close(
+                torch.stack(model.losses), torch.stack(reference.losses), **FP32, msg=lambda m: f"{where}\n{m}"
+            )
             if isinstance(callback, WeightReader):
                 assert len(callback.sums) == len(ref_callback.sums) == 6, where
-                assert_close(torch.stack(callback.sums), torch.stack(ref_callback.sums), rtol=1e-6, atol=1e-6,
-                             msg=lambda m: f"weights read in on_train_batch_end: {where}\n{m}")
+                assert_close(
+                    torch.stack(callback.sums),
+                    torch.stack(ref_callback.sums),
+                    rtol=1e-6,
+                    atol=1e-6,
+                    msg=lambda m: f"weights read in on_train_batch_end: {where}\n{m}",
+                )
             with trainer.strategy.gathered_params():
                 gathered = {n: p.detach().clone() for n, p in model.named_parameters()}
             state = trainer.strategy.full_state_dict()
@@ -136,8 +161,12 @@ def correct_by_default(world_size: int, names: list[str], stages: list[int]) -> 
 @pytest.mark.parametrize("world_size", [2])
 def test_models_and_callbacks_users_bring_match_ddp_with_default_options(world_size: int) -> None:
     names = list(SCENARIOS)
-    reports = run_ranks("tests.test_correct_by_default:correct_by_default", world_size,
-                        {"world_size": world_size, "names": names, "stages": [1, 2, 3]}, timeout=600)
+    reports = run_ranks(
+        "tests.test_correct_by_default:correct_by_default",
+        world_size,
+        {"world_size": world_size, "names": names, "stages": [1, 2, 3]},
+        timeout=600,
+    )
     for report in reports:
         for name in names:
             for stage in (1, 2, 3):
@@ -158,11 +187,22 @@ def part_ways(model: str, stage: int) -> dict:
     """Train a model whose ranks run different units; return this rank's error and how long it took."""
     torch.manual_seed(0)
     module = {"rank_one_extra": RankOneExtra, "swapped": SwappedBlocks, "experts": MoENet}[model]()
-    units = {"rank_one_extra": ["tests.models.Extra"], "experts": ["tests.models.Expert"]}.get(model)  # forced
+    units = {"rank_one_extra": ["tests.models.routing.Extra"], "experts": ["tests.models.routing.Expert"]}.get(
+        model
+    )  # forced
     clock = Clock()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ShardLabStrategy(stage=stage, unit_classes=units),
-                        max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False, callbacks=[clock])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ShardLabStrategy(stage=stage, unit_classes=units),
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[clock],
+    )
     try:
         trainer.fit(module, OrderedData(regression_dataset(16), 2))
     except CollectiveMismatch as err:
@@ -170,8 +210,9 @@ def part_ways(model: str, stage: int) -> dict:
     return {"error": None}
 
 
-@pytest.mark.parametrize(("model", "stage"), [("rank_one_extra", 3), ("rank_one_extra", 2), ("swapped", 3),
-                                              ("swapped", 2), ("experts", 3)])
+@pytest.mark.parametrize(
+    ("model", "stage"), [("rank_one_extra", 3), ("rank_one_extra", 2), ("swapped", 3), ("swapped", 2), ("experts", 3)]
+)
 def test_ranks_that_part_raise_a_named_error_on_every_rank(model: str, stage: int) -> None:
     reports = run_ranks("tests.test_correct_by_default:part_ways", 2, {"model": model, "stage": stage}, timeout=120)
     for rank, report in enumerate(reports):
@@ -181,13 +222,14 @@ def test_ranks_that_part_raise_a_named_error_on_every_rank(model: str, stage: in
         assert "(verified before it ran)" in error and "HINT:" in error
         if model == "rank_one_extra":  # which unit, who ran it, and the block to make the unit instead
             assert "rank 1 gathered unit 'extra'" in error or "rank 1 reduced the gradients of unit 'extra'" in error
-            assert "leave tests.models.Extra out of unit_classes" in error, error
+            assert "leave tests.models.routing.Extra out of unit_classes" in error, error
         elif model == "experts":  # experts made units by the user, routed differently on each rank
             assert "unit 'moe.experts." in error, error
-            assert "unit_classes=['tests.models.MoELayer'] makes each MoELayer (here 'moe') one unit" in error, error
+            fix = "unit_classes=['tests.models.routing.MoELayer'] makes each MoELayer (here 'moe') one unit"
+            assert fix in error, error
         else:  # two units of one size, swapped: the silent exchange of the wrong unit, caught
             assert "unit 'blocks.0'" in error and "unit 'blocks.1'" in error, error
-            assert "run the tests.models.Block blocks in the same order on every rank" in error, error
+            assert "run the tests.models.basic.Block blocks in the same order on every rank" in error, error
     assert reports[0]["error"].split(": ", 1)[1] == reports[1]["error"].split(": ", 1)[1]  # the same on every rank
 
 
@@ -206,7 +248,11 @@ def test_find_unused_parameters_false_is_an_explicit_trade_with_a_warning() -> N
         with sharded.step(keep_root_gathered=True):
             loss = torch.nn.functional.mse_loss(model.out(model.branches[0](model.inp(x))), y)
         sharded.prepare_backward(loss)
-        with pytest.warns(UserWarning, match=r"find_unused_parameters=False\): .*unused\.weight") if not unused else nullcontext():
+        with (
+            pytest.warns(UserWarning, match=r"find_unused_parameters=False\): .*unused\.weight")
+            if not unused
+            else nullcontext()
+        ):
             loss.backward()
         by_name = {name: master for name, master, _ in sharded.master_params_by_id().values()}
         grads[unused] = {name: by_name[name].grad for name in ("unused.weight", "branches.1.l1.weight", "inp.weight")}

@@ -18,10 +18,20 @@ import torch
 from torch.testing import assert_close
 
 from lightning_shardlab import ShardLabStrategy
-from tests.launch import run_ranks
-from tests.models import (BranchyNet, OrderedData, GroupedGPT, ManualNet, ParityModule, RegressionNet, TinyCNN, image_dataset,
-                          regression_dataset, token_dataset)
-from tests.reference import FP32
+from tests.helpers.launch import run_ranks
+from tests.helpers.reference import FP32
+from tests.models import (
+    BranchyNet,
+    GroupedGPT,
+    ManualNet,
+    OrderedData,
+    ParityModule,
+    RegressionNet,
+    TinyCNN,
+    image_dataset,
+    regression_dataset,
+    token_dataset,
+)
 
 
 @dataclass
@@ -36,23 +46,43 @@ class Scenario:
 
 
 SCENARIOS = {
-    "accumulate_reduce": Scenario(lambda: RegressionNet("sgd"), regression_dataset,
-                                  {"accumulate_grad_batches": 2}, {"accumulation": "reduce"}),
-    "accumulate_defer": Scenario(lambda: RegressionNet("sgd"), regression_dataset,
-                                 {"accumulate_grad_batches": 2}, {"accumulation": "defer"}),
+    "accumulate_reduce": Scenario(
+        lambda: RegressionNet("sgd"), regression_dataset, {"accumulate_grad_batches": 2}, {"accumulation": "reduce"}
+    ),
+    "accumulate_defer": Scenario(
+        lambda: RegressionNet("sgd"), regression_dataset, {"accumulate_grad_batches": 2}, {"accumulation": "defer"}
+    ),
     "clip_norm_2": Scenario(lambda: RegressionNet(), regression_dataset, {"gradient_clip_val": 0.05}),
-    "clip_norm_1": Scenario(lambda: RegressionNet(), regression_dataset, {"gradient_clip_val": 0.2},
-                            {"gradient_clip_norm_type": 1.0}, clip_norm_type=1.0),
-    "clip_norm_inf": Scenario(lambda: RegressionNet(), regression_dataset, {"gradient_clip_val": 0.01},
-                              {"gradient_clip_norm_type": "inf"}, clip_norm_type=float("inf")),
-    "clip_value": Scenario(lambda: RegressionNet("sgd"), regression_dataset,
-                           {"gradient_clip_val": 0.002, "gradient_clip_algorithm": "value"}),
+    "clip_norm_1": Scenario(
+        lambda: RegressionNet(),
+        regression_dataset,
+        {"gradient_clip_val": 0.2},
+        {"gradient_clip_norm_type": 1.0},
+        clip_norm_type=1.0,
+    ),
+    "clip_norm_inf": Scenario(
+        lambda: RegressionNet(),
+        regression_dataset,
+        {"gradient_clip_val": 0.01},
+        {"gradient_clip_norm_type": "inf"},
+        clip_norm_type=float("inf"),
+    ),
+    "clip_value": Scenario(
+        lambda: RegressionNet("sgd"),
+        regression_dataset,
+        {"gradient_clip_val": 0.002, "gradient_clip_algorithm": "value"},
+    ),
     "gpt_tied_frozen_groups_warmup": Scenario(GroupedGPT, token_dataset),
     "cnn_batchnorm_sgd_steplr": Scenario(TinyCNN, image_dataset, {"max_epochs": 3, "max_steps": -1}),
     # each training step steps two optimizers, and Lightning counts optimizer steps
     "manual_two_optimizers_clip": Scenario(ManualNet, regression_dataset, {"max_steps": 12}),
-    "unused_layer_alternating_branch": Scenario(BranchyNet, regression_dataset, {}, {},  # default options
-                                                ddp="ddp_find_unused_parameters_true"),
+    "unused_layer_alternating_branch": Scenario(
+        BranchyNet,
+        regression_dataset,
+        {},
+        {},  # default options
+        ddp="ddp_find_unused_parameters_true",
+    ),
 }
 
 
@@ -61,9 +91,18 @@ def _fit(scenario: Scenario, model: ParityModule, strategy: object, world_size: 
     epochs = scenario.trainer.get("max_epochs", 1)
     data = scenario.data(max(steps, 2 * epochs) * scenario.local_batch * world_size // epochs)
     kwargs = {"max_steps": 6, "max_epochs": 1, **scenario.trainer}
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, num_sanity_val_steps=0, **kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
     model.clip_norm_type = scenario.clip_norm_type
     trainer.fit(model, OrderedData(data, scenario.local_batch))
     return trainer
@@ -83,10 +122,15 @@ def ddp_parity(world_size: int, stages: list[int], names: list[str]) -> dict:
             trainer = _fit(scenario, model, ShardLabStrategy(stage=stage, **scenario.strategy), world_size)
             where = f"{name}, stage {stage}, rank {trainer.global_rank}"
             assert len(model.losses) == len(reference.losses) >= 6, where
-            assert_close(torch.stack(model.losses), torch.stack(reference.losses), **FP32,
-                         msg=lambda m: f"losses: {where}\n{m}")
-            assert_close(torch.stack(model.grad_norms), torch.stack(reference.grad_norms), **FP32,
-                         msg=lambda m: f"grad norms: {where}\n{m}")
+            assert_close(
+                torch.stack(model.losses), torch.stack(reference.losses), **FP32, msg=lambda m: f"losses: {where}\n{m}"
+            )
+            assert_close(
+                torch.stack(model.grad_norms),
+                torch.stack(reference.grad_norms),
+                **FP32,
+                msg=lambda m: f"grad norms: {where}\n{m}",
+            )
             _check_frozen(trainer, where)
             state = trainer.strategy.full_state_dict()
             if trainer.global_rank == 0:
@@ -113,7 +157,11 @@ def _check_frozen(trainer: L.Trainer, where: str) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_stage_matches_lightning_ddp(world_size: int) -> None:
     names = list(SCENARIOS)
-    reports = run_ranks("tests.test_ddp_parity:ddp_parity", world_size,
-                        {"world_size": world_size, "stages": [1, 2, 3], "names": names}, timeout=900)
+    reports = run_ranks(
+        "tests.test_ddp_parity:ddp_parity",
+        world_size,
+        {"world_size": world_size, "stages": [1, 2, 3], "names": names},
+        timeout=900,
+    )
     for report in reports:
         assert sorted(report) == sorted((n, s) for n in names for s in (1, 2, 3))

@@ -22,10 +22,10 @@ from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAver
 from torch.testing import assert_close
 
 from lightning_shardlab import ShardLabEMA, ShardLabStrategy
-from lightning_shardlab.checkpoint_consolidate import consolidated_checkpoint
-from tests.launch import run_ranks
+from lightning_shardlab.checkpoint.consolidate import consolidated_checkpoint
+from tests.helpers.launch import run_ranks
+from tests.helpers.reference import FP32
 from tests.models import OrderedData, RegressionNet, TinyCNN, image_dataset, regression_dataset
-from tests.reference import FP32
 
 
 class ValidatedCNN(TinyCNN):
@@ -42,16 +42,30 @@ class ValidatedCNN(TinyCNN):
 
 
 def _trainer(strategy: object, callbacks: list, world_size: int, **kwargs: object) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, logger=False, enable_progress_bar=False,
-                     enable_model_summary=False, use_distributed_sampler=False, callbacks=callbacks, **kwargs)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
+        **kwargs,
+    )
 
 
 def ema_parity(stages: list[int]) -> dict:
     torch.manual_seed(0)
     initial = ValidatedCNN()
     data = OrderedData(image_dataset(24), 2)
-    loops = {"max_steps": 6, "val_check_interval": 2, "limit_val_batches": 1, "num_sanity_val_steps": 0,
-             "enable_checkpointing": False}
+    loops = {
+        "max_steps": 6,
+        "val_check_interval": 2,
+        "limit_val_batches": 1,
+        "num_sanity_val_steps": 0,
+        "enable_checkpointing": False,
+    }
     reference = copy.deepcopy(initial)
     _trainer("ddp", [EMAWeightAveraging(decay=0.8)], 2, **loops).fit(reference, data)
     ref_state = reference.state_dict()
@@ -63,8 +77,12 @@ def ema_parity(stages: list[int]) -> dict:
         where = f"stage {stage}, rank {trainer.global_rank}"
         assert_close(torch.stack(model.losses), torch.stack(reference.losses), **FP32, msg=lambda m: f"{where}\n{m}")
         assert len(model.val_losses) == len(reference.val_losses) == 3, where
-        assert_close(torch.stack(model.val_losses), torch.stack(reference.val_losses), **FP32,
-                     msg=lambda m: f"validation on the average: {where}\n{m}")
+        assert_close(
+            torch.stack(model.val_losses),
+            torch.stack(reference.val_losses),
+            **FP32,
+            msg=lambda m: f"validation on the average: {where}\n{m}",
+        )
         averaged, current = trainer.strategy.full_state_dict(ema=True), trainer.strategy.full_state_dict()
         if trainer.global_rank == 0:
             assert list(averaged) == list(ref_state), where
@@ -111,16 +129,25 @@ def resume_first_epoch(ckpt: str) -> dict:
     trainer.fit(model, data)
     trainer.save_checkpoint(ckpt)
     averaged, current = trainer.strategy.full_state_dict(ema=True), trainer.strategy.full_state_dict()
-    return {"reference_first_epoch": probe.first_epoch, "reference_final": reference.state_dict(),
-            "averaged": averaged, "current": current}
+    return {
+        "reference_first_epoch": probe.first_epoch,
+        "reference_final": reference.state_dict(),
+        "averaged": averaged,
+        "current": current,
+    }
 
 
 def resume_second_epoch(ckpt: str, stage: int, world_size: int, save: str | None) -> dict:
     """Resume the first run's checkpoint on ``world_size`` ranks at ``stage`` (same global batch)."""
     torch.manual_seed(1)  # another init: every value must come from the checkpoint
     model = RegressionNet("sgd")
-    trainer = _trainer(ShardLabStrategy(stage=stage, state_dict_type="full"), [_ema()], world_size, max_epochs=2,
-                       enable_checkpointing=False)
+    trainer = _trainer(
+        ShardLabStrategy(stage=stage, state_dict_type="full"),
+        [_ema()],
+        world_size,
+        max_epochs=2,
+        enable_checkpointing=False,
+    )
     trainer.fit(model, OrderedData(regression_dataset(16), 4 // world_size), ckpt_path=ckpt)
     if save:
         trainer.save_checkpoint(save)
@@ -136,13 +163,21 @@ def test_the_average_resumes_at_another_world_size_and_stage(tmp_path: Path) -> 
     for key in first["current"]:  # the file holds both: the weights, and their average
         assert torch.equal(consolidated["state_dict"][key], first["current"][key]), key
         assert torch.equal(consolidated["ema_state_dict"][key], first["averaged"][key]), key
-    second = run_ranks("tests.test_ema:resume_second_epoch", 4,
-                       {"ckpt": str(sharded), "stage": 2, "world_size": 4, "save": str(full)}, timeout=300)[0]
+    second = run_ranks(
+        "tests.test_ema:resume_second_epoch",
+        4,
+        {"ckpt": str(sharded), "stage": 2, "world_size": 4, "save": str(full)},
+        timeout=300,
+    )[0]
     assert second["steps"] == 8
     for key, value in first["reference_final"].items():
         assert_close(second["averaged"][key], value, **FP32, msg=lambda m, k=key: f"{k} after epoch 2\n{m}")
-    third = run_ranks("tests.test_ema:resume_second_epoch", 1,
-                      {"ckpt": str(full), "stage": 1, "world_size": 1, "save": None}, timeout=300)[0]
+    third = run_ranks(
+        "tests.test_ema:resume_second_epoch",
+        1,
+        {"ckpt": str(full), "stage": 1, "world_size": 1, "save": None},
+        timeout=300,
+    )[0]
     for key, value in second["averaged"].items():  # the full checkpoint's average, at 1 rank and stage 1
         assert torch.equal(third["averaged"][key], value), key
 

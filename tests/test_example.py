@@ -19,14 +19,20 @@ import torch
 from lightning_shardlab.examples.finetune import QUICK, samples
 from lightning_shardlab.examples.gpt import GPT, WarmupCosine
 from lightning_shardlab.examples.text import TextDataModule, decode, encode
-from tests.launch import ROOT, free_port
+from tests.helpers.launch import ROOT, free_port
 
 CONFIGS = ROOT / "configs"
 SHARDLAB = Path(sys.executable).parent / "shardlab"  # the console script pyproject.toml declares
 TINY_MODEL = dict(n_layer=1, n_head=4, n_embd=32, block_size=16)
 TINY = [
-    "--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.val_check_interval=1",
-    "--model.n_layer=1", "--model.n_embd=32", "--model.block_size=16", "--data.block_size=16", "--data.batch_size=4",
+    "--trainer.max_steps=2",
+    "--trainer.limit_val_batches=1",
+    "--trainer.val_check_interval=1",
+    "--model.n_layer=1",
+    "--model.n_embd=32",
+    "--model.block_size=16",
+    "--data.block_size=16",
+    "--data.batch_size=4",
 ]
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
 
@@ -35,8 +41,9 @@ def run_command(args: list[str], cwd: Path, timeout: float) -> str:
     """Run ``args`` (which may start more ranks) in a new session; kill the whole group when it ends."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore", COLUMNS="160")
-    proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -55,10 +62,12 @@ def run_command(args: list[str], cwd: Path, timeout: float) -> str:
 def assert_budget_printed(output: str, stage: int) -> None:
     """The budget callback's tables (titles start "shardlab budget"), for the stage that ran."""
     assert "shardlab budget" in output, output[-3000:]
-    budget = output[output.index("shardlab budget"):]
+    budget = output[output.index("shardlab budget") :]
     assert re.search(rf"stage\s+{stage}\b", budget), budget[:1000]
     # printed whole although the output is a pipe (rich would fit it to 80 columns and clip cells with "…")
-    assert "…" not in budget and all(c in budget for c in ("optimizer_state", "padding", "gathered_peak")), budget[:3000]
+    assert "…" not in budget and all(c in budget for c in ("optimizer_state", "padding", "gathered_peak")), budget[
+        :3000
+    ]
 
 
 def shardlab(*args: str, cwd: Path) -> str:
@@ -91,22 +100,35 @@ def test_pretrain_config_trains_sharded_and_writes_a_full_checkpoint(tmp_path: P
     GPT(**TINY_MODEL, init_from=str(tmp_path / "runs/pretrain/gpt.ckpt"))  # loads strictly
 
 
-@pytest.mark.parametrize(("config", "stage"), [
-    ("gpt_finetune_cpu.yaml", 3), ("gpt_finetune_cpu_stage1.yaml", 1), ("gpt_finetune_cpu_stage2.yaml", 2),
-])
+@pytest.mark.parametrize(
+    ("config", "stage"),
+    [
+        ("gpt_finetune_cpu.yaml", 3),
+        ("gpt_finetune_cpu_stage1.yaml", 1),
+        ("gpt_finetune_cpu_stage2.yaml", 2),
+    ],
+)
 def test_finetune_configs_start_from_a_checkpoint(
     config: str, stage: int, tiny_state_dict: Path, tmp_path: Path
 ) -> None:
-    output = shardlab("fit", "--config", str(CONFIGS / config), *TINY, f"--model.init_from={tiny_state_dict}",
-                      cwd=tmp_path)
+    output = shardlab(
+        "fit", "--config", str(CONFIGS / config), *TINY, f"--model.init_from={tiny_state_dict}", cwd=tmp_path
+    )
     assert_budget_printed(output, stage)
     assert (tmp_path / f"runs/finetune_stage{stage}/gpt.ckpt").exists()
 
 
 def test_user_text_file(tmp_path: Path) -> None:
     (tmp_path / "poem.txt").write_text("Sharded or whole, the gradient flows; each rank holds a slice. " * 60)
-    output = shardlab("fit", "--config", str(CONFIGS / "gpt_finetune_cpu.yaml"), *TINY, "--model.init_from=null",
-                      "--data.path=poem.txt", cwd=tmp_path)
+    output = shardlab(
+        "fit",
+        "--config",
+        str(CONFIGS / "gpt_finetune_cpu.yaml"),
+        *TINY,
+        "--model.init_from=null",
+        "--data.path=poem.txt",
+        cwd=tmp_path,
+    )
     assert_budget_printed(output, stage=3)
     saved = (tmp_path / "runs/logs/finetune_stage3/version_0/config.yaml").read_text()
     assert "path: poem.txt" in saved
@@ -142,8 +164,14 @@ def test_bytes_round_trip_and_bad_source() -> None:
 def test_gpt_parameter_names_shapes_and_weight_decay_groups() -> None:
     model = GPT(n_layer=2, n_head=2, n_embd=16, block_size=8)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    block = {"ln_1.weight": (16,), "attn.qkv.weight": (48, 16), "attn.proj.weight": (16, 16), "ln_2.weight": (16,),
-             "mlp.fc.weight": (64, 16), "mlp.proj.weight": (16, 64)}
+    block = {
+        "ln_1.weight": (16,),
+        "attn.qkv.weight": (48, 16),
+        "attn.proj.weight": (16, 16),
+        "ln_2.weight": (16,),
+        "mlp.fc.weight": (64, 16),
+        "mlp.proj.weight": (16, 64),
+    }
     expected = {"wte.weight": (256, 16), "wpe.weight": (8, 16), "ln_f.weight": (16,)}
     expected |= {f"blocks.{i}.{name}": shape for i in range(2) for name, shape in block.items()}
     assert shapes == expected  # no biases by default; the head is tied to wte and listed once
@@ -173,8 +201,10 @@ def test_init_from_and_seeded_generation(tmp_path: Path) -> None:
     for name, value in source.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
     prompt = encode("def ").long()[None]  # (1, 4)
-    a, b = (loaded.generate(prompt, 20, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(0))
-            for _ in range(2))
+    a, b = (
+        loaded.generate(prompt, 20, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(0))
+        for _ in range(2)
+    )
     assert a.shape == (1, 24) and torch.equal(a, b) and torch.equal(a[:, :4], prompt)
     greedy = loaded.generate(prompt, 20, temperature=0)  # longer than block_size: the context slides
     assert greedy.shape == (1, 24)
@@ -206,6 +236,6 @@ def test_finetune_script_quick(tmp_path: Path) -> None:
     # The samples printed after fine-tuning came from the sharded model: the saved full weights, unsharded
     # in this process, generate the same text from the same seeded draws.
     plain = GPT(**QUICK.model, init_from=str(runs / "finetune/gpt.ckpt"))
-    after = output[output.index("samples after fine-tuning"):]
+    after = output[output.index("samples after fine-tuning") :]
     for i, text in enumerate(samples(plain, QUICK.new_tokens)):
         assert f"[{i}] " + text.replace("\n", "\n    ") in after

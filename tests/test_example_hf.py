@@ -21,21 +21,29 @@ import torch.nn.functional as F
 from lightning_shardlab.config import ShardLabConfig
 from lightning_shardlab.examples.hf_gpt2 import HFGPT2, check_vocab
 from lightning_shardlab.examples.text import TextDataModule, encode, python_topics
-from lightning_shardlab.policy import plan_layouts
-from tests.launch import ROOT
+from lightning_shardlab.sharding.policy import plan_units
+from tests.helpers.launch import ROOT
 from tests.test_example import CONFIGS, assert_budget_printed, shardlab
 
 TINY_GPT2 = dict(vocab_size=256, n_positions=16, n_layer=2, n_head=2, n_embd=32, bos_token_id=None, eos_token_id=None)
-STEPS = ["--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--trainer.val_check_interval=3",
-         "--trainer.log_every_n_steps=1", "--data.block_size=16", "--data.batch_size=4"]  # then 1 val batch per rank
+STEPS = [
+    "--trainer.max_steps=3",
+    "--trainer.limit_val_batches=1",
+    "--trainer.val_check_interval=3",
+    "--trainer.log_every_n_steps=1",
+    "--data.block_size=16",
+    "--data.batch_size=4",
+]  # then 1 val batch per rank
 BPE_VOCAB = 300  # the tiny tokenizer: 256 bytes + the end-of-text token + 43 merges
 
 
 @pytest.fixture(autouse=True)
 def transformers_installed() -> None:
     if importlib.util.find_spec("transformers") is None:
-        pytest.fail("`transformers` is not installed; the Hugging Face example tests need it."
-                    " HINT: pip install 'lightning-shardlab[hf]' (CI installs it).")
+        pytest.fail(
+            "`transformers` is not installed; the Hugging Face example tests need it."
+            " HINT: pip install 'lightning-shardlab[hf]' (CI installs it)."
+        )
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +59,12 @@ def pretrained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
     bpe.train_from_iterator([python_topics()[:50_000]], trainer)
     end = "<|endoftext|>"
     tokenizer = transformers.GPT2TokenizerFast(tokenizer_object=bpe, bos_token=end, eos_token=end, unk_token=end)
@@ -71,7 +83,7 @@ def pretrained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_builds_from_a_config_with_one_unit_per_block_and_the_tied_head_in_the_root() -> None:
     model = HFGPT2(config=TINY_GPT2)
     assert model.model.lm_head.weight is model.model.transformer.wte.weight
-    layouts = plan_layouts(model, ShardLabConfig(), world_size=2)
+    layouts = plan_units(model, ShardLabConfig(), world_size=2).layouts()
     assert list(layouts) == ["root", "model.transformer.h.0", "model.transformer.h.1"]
     root_names = {slot.fqns for layout in layouts["root"] for slot in layout.slots}
     assert ("model.transformer.wte.weight", "model.lm_head.weight") in root_names  # one parameter, two names
@@ -139,7 +151,9 @@ md.Distribution.from_name = classmethod(from_name_unless_transformers)
 
 
 def test_the_package_imports_without_transformers_and_says_how_to_install_it() -> None:
-    script = HIDE_TRANSFORMERS + """
+    script = (
+        HIDE_TRANSFORMERS
+        + """
 import lightning_shardlab, lightning_shardlab.cli
 from lightning_shardlab.examples.hf_gpt2 import HFGPT2
 from lightning_shardlab.examples.text import TextDataModule
@@ -151,6 +165,7 @@ for build in (lambda: HFGPT2(config={}), lambda: TextDataModule(tokenizer="gpt2"
     except ImportError as err:
         print(err)
 """
+    )
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     hint = "not installed. HINT: pip install 'lightning-shardlab[hf]'"
@@ -170,9 +185,17 @@ def test_hf_config_trains_a_tiny_gpt2_from_scratch(tmp_path: Path) -> None:
 
 
 def test_hf_config_fine_tunes_a_pretrained_directory(pretrained_dir: Path, tmp_path: Path) -> None:
-    output = shardlab("fit", "--config", str(CONFIGS / "gpt2_hf_finetune_cpu.yaml"), *STEPS,
-                      f"--model.pretrained={pretrained_dir}", "--model.config=null",
-                      f"--data.tokenizer={pretrained_dir}", "--model.lr=0.0001", cwd=tmp_path)
+    output = shardlab(
+        "fit",
+        "--config",
+        str(CONFIGS / "gpt2_hf_finetune_cpu.yaml"),
+        *STEPS,
+        f"--model.pretrained={pretrained_dir}",
+        "--model.config=null",
+        f"--data.tokenizer={pretrained_dir}",
+        "--model.lr=0.0001",
+        cwd=tmp_path,
+    )
     assert_budget_printed(output, stage=3)
     rows = list(csv.DictReader((tmp_path / "runs/logs/gpt2_hf_finetune/version_0/metrics.csv").open()))
     assert [float(r["train_loss"]) for r in rows if r.get("train_loss")], "no training loss logged"
@@ -199,13 +222,25 @@ def validation_loss(model: HFGPT2, tokenizer: Path) -> float:
 def test_gpu_finetune_config_parses(tmp_path: Path) -> None:
     """There may be no GPU here: parse and print the config, which instantiates nothing."""
     output = shardlab("fit", "--config", str(CONFIGS / "gpt_finetune_gpu.yaml"), "--print_config", cwd=tmp_path)
-    for line in ("accelerator: gpu", "devices: auto", "strategy: shardlab", "precision: bf16-mixed",
-                 "class_path: lightning_shardlab.ShardLabBudget", "class_path: lightning_shardlab.examples.gpt.GPT"):
+    for line in (
+        "accelerator: gpu",
+        "devices: auto",
+        "strategy: shardlab",
+        "precision: bf16-mixed",
+        "class_path: lightning_shardlab.ShardLabBudget",
+        "class_path: lightning_shardlab.examples.gpt.GPT",
+    ):
         assert line in output, output[-3000:]
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_gpu_finetune_config_takes_another_stage_from_the_command_line(stage: int, tmp_path: Path) -> None:
-    output = shardlab("fit", "--config", str(CONFIGS / "gpt_finetune_gpu.yaml"),
-                      f"--trainer.strategy=shardlab_stage_{stage}", "--print_config", cwd=tmp_path)
+    output = shardlab(
+        "fit",
+        "--config",
+        str(CONFIGS / "gpt_finetune_gpu.yaml"),
+        f"--trainer.strategy=shardlab_stage_{stage}",
+        "--print_config",
+        cwd=tmp_path,
+    )
     assert f"strategy: shardlab_stage_{stage}" in output, output[-3000:]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_shardlab.flat_param import FlatParam, FlatParamLayout, alloc_storage, free_storage
+from lightning_shardlab.sharding.flat_param import FlatParam, FlatParamLayout, alloc_storage, free_storage
 
 SHAPES = [(("a.weight",), (7, 15)), (("a.bias",), (7,)), (("b.w", "c.w"), (1,)), (("d",), (17, 3))]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import free_port, run_commands, run_ranks
+from tests.helpers.launch import free_port, run_commands, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -24,13 +24,15 @@ def test_one_rank_on_one_gpu_matches_the_reference() -> None:
 
 def test_two_ranks_sharing_one_gpu_pass_stage3_parity(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    run_commands([[sys.executable, "-m", "tests.test_launchers", "proxy_cuda", str(out)]], timeout=300,
-                 env={"MASTER_PORT": str(free_port())})
+    run_commands(
+        [[sys.executable, "-m", "tests.test_launchers", "proxy_cuda", str(out)]],
+        timeout=300,
+        env={"MASTER_PORT": str(free_port())},
+    )
     assert json.loads(out.read_text())["world_size"] == 2
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL with one rank per GPU needs 2 GPUs")
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_nccl_one_rank_per_gpu_matches_the_reference(stage: int) -> None:
-    run_ranks("tests.test_trainer:gpt_parity", 2, {"world_size": 2, "stage": stage, "accelerator": "cuda"},
-              timeout=300)
+    run_ranks("tests.test_trainer:gpt_parity", 2, {"world_size": 2, "stage": stage, "accelerator": "cuda"}, timeout=300)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.launch import free_port, run_commands
+from tests.helpers.launch import free_port, run_commands
 
 
 def main(mode: str, out: str) -> None:
@@ -34,18 +34,33 @@ def main(mode: str, out: str) -> None:
 
 def test_proxy_world_of_four_on_one_device_passes_stage3_parity(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    run_commands([[sys.executable, "-m", "tests.test_launchers", "proxy", str(out)]], timeout=300,
-                 env={"MASTER_PORT": str(free_port())})
+    run_commands(
+        [[sys.executable, "-m", "tests.test_launchers", "proxy", str(out)]],
+        timeout=300,
+        env={"MASTER_PORT": str(free_port())},
+    )
     report = json.loads(out.read_text())
     assert report["world_size"] == 4 and len(report["losses"]) == 6
 
 
 def test_two_torchrun_nodes_pass_stage3_parity(tmp_path: Path) -> None:
     out, port = tmp_path / "report.json", free_port()
-    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
-            "--master_addr", "127.0.0.1", "--master_port", str(port)]
-    run_commands([node + ["--node_rank", str(k), "-m", "tests.test_launchers", "nodes", str(out)] for k in (0, 1)],
-                 timeout=300)
+    node = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+    ]
+    run_commands(
+        [node + ["--node_rank", str(k), "-m", "tests.test_launchers", "nodes", str(out)] for k in (0, 1)], timeout=300
+    )
     report = json.loads(out.read_text())
     assert report["world_size"] == 4 and len(report["losses"]) == 6
 

@@ -10,14 +10,13 @@ once), not by asking the package.
 
 from __future__ import annotations
 
-
 import lightning as L
 import pytest
 import torch
 
 from lightning_shardlab import ShardLabStrategy
-from tests.counting import live_cpu_bytes
-from tests.launch import run_ranks
+from tests.helpers.counting import live_cpu_bytes
+from tests.helpers.launch import run_ranks
 from tests.models import OrderedData, TinyGPT, token_dataset
 
 
@@ -37,10 +36,19 @@ def measure(world_size: int, stage: int = 3, precision: str = "32-true") -> dict
     params = sum(p.numel() for p in model.parameters())  # tied weights once
     data = token_dataset(8 * world_size, vocab=61, block_size=8)
     callback = MeasureBetweenSteps(exclude=list(data.tensors))
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=ShardLabStrategy(stage=stage), max_steps=3,
-                        precision=precision,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, callbacks=[callback])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ShardLabStrategy(stage=stage),
+        max_steps=3,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[callback],
+    )
     trainer.fit(model, OrderedData(data, 2))
     padding = sum(fp.layout.padding for fp in trainer.strategy.sharded.flat_params)
     return {"params": params, "padding": padding, "bytes": callback.bytes}
@@ -56,7 +64,9 @@ def expected_bytes(p: int, n: int, stage: int, precision: str = "32-true") -> fl
 
 @pytest.mark.parametrize(("stage", "world_size"), [(3, 2), (3, 4), (2, 2), (2, 4), (1, 2), (1, 4)])
 def test_model_state_per_rank_follows_the_zero_table(stage: int, world_size: int) -> None:
-    reports = run_ranks("tests.test_memory:measure", world_size, {"world_size": world_size, "stage": stage}, timeout=180)
+    reports = run_ranks(
+        "tests.test_memory:measure", world_size, {"world_size": world_size, "stage": stage}, timeout=180
+    )
     for report in reports:
         expected = expected_bytes(report["params"], world_size, stage)
         slack = 0.02 * expected + 8 * report["padding"]  # 2%, plus the padding in the param and grad buffers
@@ -67,8 +77,9 @@ def test_model_state_per_rank_follows_the_zero_table(stage: int, world_size: int
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bf16_mixed_holds_the_seeds_16_bytes_per_parameter_over_n(stage: int) -> None:
     """2 B bf16 compute copy + 2 B bf16 gradient + 4 B fp32 master + 8 B fp32 moments (stage 3: / N)."""
-    reports = run_ranks("tests.test_memory:measure", 2, {"world_size": 2, "stage": stage, "precision": "bf16-mixed"},
-                        timeout=180)
+    reports = run_ranks(
+        "tests.test_memory:measure", 2, {"world_size": 2, "stage": stage, "precision": "bf16-mixed"}, timeout=180
+    )
     for report in reports:
         expected = expected_bytes(report["params"], 2, stage, "bf16-mixed")
         slack = 0.02 * expected + 16 * report["padding"]

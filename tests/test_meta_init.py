@@ -10,11 +10,17 @@ import pytest
 import torch
 
 from lightning_shardlab import ShardLabStrategy
-from tests.launch import run_ranks
+from tests.helpers.launch import run_ranks
 from tests.models import OrderedData, WideBlocks, regression_dataset
 
-QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-             use_distributed_sampler=False, num_sanity_val_steps=0)
+QUIET = dict(
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    use_distributed_sampler=False,
+    num_sanity_val_steps=0,
+)
 
 
 class Probe(WideBlocks):
@@ -36,8 +42,10 @@ def eager_equals_meta(world_size: int, stage: int) -> dict:
     if trainer.global_rank != 0:
         return {}
     assert model.built_on_meta
-    return {"equal": {k: torch.equal(v, state[k]) for k, v in eager.state_dict().items()},
-            "keys": sorted(state) == sorted(eager.state_dict())}
+    return {
+        "equal": {k: torch.equal(v, state[k]) for k, v in eager.state_dict().items()},
+        "keys": sorted(state) == sorted(eager.state_dict()),
+    }
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -63,8 +71,14 @@ def train_under_cap(stage: int, width: int = 1280, depth: int = 8) -> dict:
     world = int(os.environ["WORLD_SIZE"])
     L.seed_everything(0, verbose=False)
     model = WideBlocks(width=width, depth=depth)  # shapes only: configure_model runs inside fit, on meta
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardLabStrategy(stage=stage), max_steps=2,
-                        limit_val_batches=0, **QUIET)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=ShardLabStrategy(stage=stage),
+        max_steps=2,
+        limit_val_batches=0,
+        **QUIET,
+    )
     cap = vm_data() + CAP_MB * 2**20
     resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.getrlimit(resource.RLIMIT_DATA)[1]))
     trainer.fit(model, OrderedData(regression_dataset(2 * 4 * world), 4))

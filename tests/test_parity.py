@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from lightning_shardlab import ShardLabConfig, shard_model, shard_optimizer
-from tests.launch import run_ranks
+from tests.helpers.launch import run_ranks
+from tests.helpers.reference import FP32, init_from_env, mean_over_ranks, reference_shard, shutdown
 from tests.models import OddNet, regression_batches
-from tests.reference import FP32, init_from_env, mean_over_ranks, reference_shard, shutdown
 
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
@@ -25,8 +25,9 @@ OPTIMIZERS = {
 }
 
 
-def core_parity(stage: int, steps: int = 10, local_batch: int = 3, reshard_after_forward: bool = True,
-                transport: str = "auto") -> dict:
+def core_parity(
+    stage: int, steps: int = 10, local_batch: int = 3, reshard_after_forward: bool = True, transport: str = "auto"
+) -> dict:
     """Worker: train OddNet sharded and unsharded with each optimizer; assert equality every step."""
     comm = init_from_env()
     report = {}
@@ -81,7 +82,7 @@ def test_stage3_keep_gathered_after_forward_matches_reference() -> None:
 
 def initial_values_come_from_rank_0() -> dict:
     """Every rank initialises differently; after setup all hold rank 0's values (and buffers)."""
-    from lightning_shardlab.checkpoint import full_state_dict
+    from lightning_shardlab.checkpoint.io import full_state_dict
 
     comm = init_from_env()
     torch.manual_seed(comm.rank)

@@ -7,34 +7,48 @@ import torch
 from torch import nn
 
 from lightning_shardlab import Comm, ShardLabConfig, shard_model
-from lightning_shardlab.policy import choose_unit_paths, choose_units, owning_unit, param_uses
+from lightning_shardlab.sharding.policy import choose_units, owning_unit, param_uses
 from tests.models import OddNet, TinyGPT
 
 
 def test_default_policy_makes_each_repeated_block_a_unit() -> None:
-    assert choose_unit_paths(TinyGPT(n_layer=3), ShardLabConfig()) == ["", "blocks.0", "blocks.1", "blocks.2"]
+    assert choose_units(TinyGPT(n_layer=3), ShardLabConfig()).paths == ["", "blocks.0", "blocks.1", "blocks.2"]
     # a Sequential of different layer types is not a repeated block; neither is a list of parameterless modules
     mixed = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
-    assert choose_unit_paths(mixed, ShardLabConfig()) == [""]
+    assert choose_units(mixed, ShardLabConfig()).paths == [""]
 
 
 def test_unit_classes_by_import_path_and_minimum_size() -> None:
     config = ShardLabConfig(unit_classes=("torch.nn.Linear",))
-    assert choose_unit_paths(OddNet(), config) == ["", "inp", "blocks.0.l1", "blocks.0.l2", "blocks.1.l1",
-                                                   "blocks.1.l2", "tiny", "out"]
+    assert choose_units(OddNet(), config).paths == [
+        "",
+        "inp",
+        "blocks.0.l1",
+        "blocks.0.l2",
+        "blocks.1.l1",
+        "blocks.1.l2",
+        "tiny",
+        "out",
+    ]
     config = ShardLabConfig(unit_classes=("torch.nn.Linear",), min_unit_params=100)
-    assert choose_unit_paths(OddNet(), config) == ["", "inp", "blocks.0.l1", "blocks.0.l2", "blocks.1.l1",
-                                                   "blocks.1.l2"]
+    assert choose_units(OddNet(), config).paths == [
+        "",
+        "inp",
+        "blocks.0.l1",
+        "blocks.0.l2",
+        "blocks.1.l1",
+        "blocks.1.l2",
+    ]
 
 
 def test_tied_parameter_lives_in_the_lowest_common_unit() -> None:
     model = TinyGPT(n_layer=2)
-    model.blocks[1].ln1.weight = model.blocks[0].ln1.weight  # tie across two block units
-    units = choose_unit_paths(model, ShardLabConfig())
+    model.blocks[1].ln_1.weight = model.blocks[0].ln_1.weight  # tie across two block units
+    units = choose_units(model, ShardLabConfig()).paths
     owners = {use.fqns[0]: owning_unit(use, units) for use in param_uses(model)}
     assert owners["wte.weight"] == ""  # embedding and head, both at the root
-    assert owners["blocks.0.ln1.weight"] == ""  # used by blocks 0 and 1: their common ancestor is the root
-    assert owners["blocks.0.ln2.weight"] == "blocks.0"
+    assert owners["blocks.0.ln_1.weight"] == ""  # used by blocks 0 and 1: their common ancestor is the root
+    assert owners["blocks.0.ln_2.weight"] == "blocks.0"
     uses = {u.fqns[0]: u.fqns for u in param_uses(model)}
     assert uses["wte.weight"] == ["wte.weight", "lm_head.weight"]
 
@@ -78,8 +92,12 @@ def test_default_units_need_evidence_that_every_forward_runs_every_block() -> No
     for model in (DictValues("dict"), Checkpointed(), Reused()):
         assert units(model) == ["", "layers.0", "layers.1", "layers.2"], type(model).__name__
     # data- or step-dependent: the blocks stay in the enclosing unit, and the policy says why
-    for model, declined in ((MoENet(experts=4), "moe.experts"), (BranchyNet(), "branches"),
-                            (SkipsOne(), "layers"), (ByIndex(), "layers")):
+    for model, declined in (
+        (MoENet(experts=4), "moe.experts"),
+        (BranchyNet(), "branches"),
+        (SkipsOne(), "layers"),
+        (ByIndex(), "layers"),
+    ):
         choice = choose_units(model, ShardLabConfig())
         assert choice.paths == [""] and choice.declined == [declined], (type(model).__name__, choice)
     with pytest.warns(UserWarning, match=r"'moe\.experts' \(Expert\) are not made units.*unit_classes"):
@@ -87,5 +105,6 @@ def test_default_units_need_evidence_that_every_forward_runs_every_block() -> No
     # MoE blocks run in order: the blocks are units, the experts inside them are not considered
     assert units(MoENet(experts=6, top_k=2, blocks=2)) == ["", "blocks.0", "blocks.1"]
     # the user's word overrides the evidence
-    assert choose_units(MoENet(), ShardLabConfig(unit_classes=("tests.models.Expert",))).paths[1:] == [
-        f"moe.experts.{i}" for i in range(4)]
+    assert choose_units(MoENet(), ShardLabConfig(unit_classes=("tests.models.routing.Expert",))).paths[1:] == [
+        f"moe.experts.{i}" for i in range(4)
+    ]

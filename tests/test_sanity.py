@@ -18,15 +18,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_shardlab import Comm, ShardLabConfig, ShardLabStrategy, collectives, shard_model, shard_optimizer
-from lightning_shardlab.divergence import DivergenceError, DuplicateDataError, tensor_digest
-from lightning_shardlab.sanity import CollectiveMismatch, FingerprintRecorder, first_difference
-from lightning_shardlab.sanity_callback import ShardLabSanity
-from lightning_shardlab.sanity_guard import SanityConfig, SanityGuard
-from tests.counting import counting_collectives
-from tests.launch import run_commands, run_ranks
+from lightning_shardlab import Comm, ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
+from lightning_shardlab.comm import collectives
+from lightning_shardlab.comm.mismatch import CollectiveMismatch, first_difference
+from lightning_shardlab.guard.callback import ShardLabSanity
+from lightning_shardlab.guard.divergence import DivergenceError, DuplicateDataError, tensor_digest
+from lightning_shardlab.guard.fingerprints import FingerprintRecorder
+from lightning_shardlab.guard.guard import SanityConfig, SanityGuard
+from tests.helpers.counting import counting_collectives
+from tests.helpers.launch import run_commands, run_ranks
+from tests.helpers.reference import init_from_env, shutdown
 from tests.models import Block, GroupedGPT, OrderedData, TinyCNN, TinyGPT, image_dataset, token_dataset
-from tests.reference import init_from_env, shutdown
 from tests.test_trainer import QUIET
 
 
@@ -67,6 +69,7 @@ def nudge(t: torch.Tensor, index: int = 0) -> None:
 
 # ---- the faults, each in a fresh model on the same process group ----
 
+
 def _inject(name: str, step: int, rank: int, model: SkippableNet, sharded, optimizer, comm: Comm) -> None:
     """Runs at the end of each step (after the optimizer step)."""
     if name == "mismatch_cheap" and step == 1:  # same size, so gloo runs it: only the fingerprints differ
@@ -81,17 +84,26 @@ def _inject(name: str, step: int, rank: int, model: SkippableNet, sharded, optim
         nudge(model.mask, index=4)
     if name == "lr" and step == 1 and rank == 1:
         group = optimizer.param_groups[0]
-        group["lr"] = float(torch.nextafter(torch.tensor(group["lr"], dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)))
+        group["lr"] = float(
+            torch.nextafter(torch.tensor(group["lr"], dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+        )
     if name == "step_counter" and step == 1 and rank == 2:
         state = next(s for s in optimizer.state.values() if "step" in s)
         state["step"] += 1
 
 
 SCENARIOS = {  # name: (stage, every_n_steps, strict, verified)
-    "mismatch_strict": (3, 3, True, False), "skip_strict": (3, 3, True, False), "mismatch_cheap": (3, 2, False, False),
-    "mismatch_verified": (3, 3, False, True), "skip_verified": (3, 3, False, True),
-    "ulp_param": (2, 3, False, True), "ulp_frozen": (1, 3, False, True), "ulp_buffer": (3, 3, False, True),
-    "lr": (1, 3, False, True), "step_counter": (3, 3, False, True), "duplicate": (3, 2, False, True),
+    "mismatch_strict": (3, 3, True, False),
+    "skip_strict": (3, 3, True, False),
+    "mismatch_cheap": (3, 2, False, False),
+    "mismatch_verified": (3, 3, False, True),
+    "skip_verified": (3, 3, False, True),
+    "ulp_param": (2, 3, False, True),
+    "ulp_frozen": (1, 3, False, True),
+    "ulp_buffer": (3, 3, False, True),
+    "lr": (1, 3, False, True),
+    "step_counter": (3, 3, False, True),
+    "duplicate": (3, 2, False, True),
 }
 
 
@@ -105,8 +117,13 @@ def run_scenario(name: str, steps: int = 8) -> dict:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     shard_optimizer(optimizer, sharded)
     g = torch.Generator().manual_seed(1)
-    config = SanityConfig(every_n_steps=every, strict_collectives=strict, verify_collectives=verified,
-                          collective_timeout_s=None, handle_sigterm=False)
+    config = SanityConfig(
+        every_n_steps=every,
+        strict_collectives=strict,
+        verify_collectives=verified,
+        collective_timeout_s=None,
+        handle_sigterm=False,
+    )
     step, before_rogue = -1, 0
     try:
         with SanityGuard(sharded, [optimizer], config) as guard, counting_collectives() as calls:
@@ -166,8 +183,11 @@ def test_a_skipped_unit_is_named(fault_reports: list[dict], name: str) -> None:
     and that the two fingerprints are named, does not."""
     for r in _each_rank(fault_reports, name):
         assert r["error"] == "CollectiveMismatch" and r["step"] == 2, r
-        found = re.search(r"rank 0, 2 issued #(\d+) all_gather 'blocks\.(\d)\[float32\]' numel=\d+ float32; rank 1"
-                          r" issued #\1 all_gather 'blocks\.(\d)\[float32\]'", r["message"])
+        found = re.search(
+            r"rank 0, 2 issued #(\d+) all_gather 'blocks\.(\d)\[float32\]' numel=\d+ float32; rank 1"
+            r" issued #\1 all_gather 'blocks\.(\d)\[float32\]'",
+            r["message"],
+        )
         assert found and found[2] != found[3], r["message"]
         if name == "skip_verified":  # and which unit each rank gathered, and the fix
             assert f"rank 1 gathered unit 'blocks.{found[3]}'" in r["message"], r["message"]
@@ -184,15 +204,35 @@ def test_cheap_check_names_both_fingerprints_at_the_next_check(fault_reports: li
 @pytest.mark.parametrize(
     ("name", "step", "odd", "what"),
     [
-        ("ulp_param", 6, 1, "flat parameter blocks.0[float32] on rank 1 differs from rank 0: 1 element(s) differ;"
-                            " first in parameter 'blocks.0.l1.weight' at index (0, 3)"),
-        ("ulp_frozen", 6, 1, "flat parameter root[float32,frozen] on rank 1 differs from rank 0: 1 element(s) differ;"
-                             " first in parameter 'frozen.l1.weight' at index (1, 5)"),
+        (
+            "ulp_param",
+            6,
+            1,
+            "flat parameter blocks.0[float32] on rank 1 differs from rank 0: 1 element(s) differ;"
+            " first in parameter 'blocks.0.l1.weight' at index (0, 3)",
+        ),
+        (
+            "ulp_frozen",
+            6,
+            1,
+            "flat parameter root[float32,frozen] on rank 1 differs from rank 0: 1 element(s) differ;"
+            " first in parameter 'frozen.l1.weight' at index (1, 5)",
+        ),
         ("ulp_buffer", 3, 2, "buffer mask on rank 2 differs from rank 0: 1 element(s) differ; first at index (4,)"),
-        ("lr", 3, 1, "optimizer 0 (AdamW) param group 0 on rank 1 differs from rank 0: lr=0.01 on rank 0,"
-                     " 0.010000000000000002 on rank 1"),
-        ("step_counter", 3, 2, "optimizer 0 (AdamW) param group 0 on rank 2 differs from rank 0: step counters"
-                               " [3.0] on rank 0, [3.0, 4.0] on rank 2"),
+        (
+            "lr",
+            3,
+            1,
+            "optimizer 0 (AdamW) param group 0 on rank 1 differs from rank 0: lr=0.01 on rank 0,"
+            " 0.010000000000000002 on rank 1",
+        ),
+        (
+            "step_counter",
+            3,
+            2,
+            "optimizer 0 (AdamW) param group 0 on rank 2 differs from rank 0: step counters"
+            " [3.0] on rank 0, [3.0, 4.0] on rank 2",
+        ),
     ],
 )
 def test_one_ulp_in_one_ranks_replicated_state_is_named_at_the_next_check(
@@ -212,16 +252,28 @@ def test_ranks_reading_the_same_batch_are_named(fault_reports: list[dict]) -> No
 
 # ---- no false alarms: 100 healthy steps per stage, every check on every step, through the Trainer ----
 
+
 def healthy_fit(steps: int = 100) -> dict:
     """Stage 1: BatchNorm (local statistics, broadcast buffers), SGD + StepLR. Stage 2: a frozen block, two
     param groups, warm-up. Stage 3: tied embeddings. Validation runs in between (more collectives)."""
     out, world = {}, int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it
-    for stage, (model_cls, dataset) in {1: (TinyCNN, image_dataset), 2: (GroupedGPT, token_dataset),
-                                        3: (TinyGPT, token_dataset)}.items():
+    for stage, (model_cls, dataset) in {
+        1: (TinyCNN, image_dataset),
+        2: (GroupedGPT, token_dataset),
+        3: (TinyGPT, token_dataset),
+    }.items():
         torch.manual_seed(0)
         sanity = ShardLabSanity(every_n_steps=1, strict_collectives=True, collective_timeout_s=60, poll_s=0.2)
-        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardLabStrategy(stage=stage),
-                            max_steps=steps, callbacks=[sanity], limit_val_batches=2, val_check_interval=50, **QUIET)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=ShardLabStrategy(stage=stage),
+            max_steps=steps,
+            callbacks=[sanity],
+            limit_val_batches=2,
+            val_check_interval=50,
+            **QUIET,
+        )
         trainer.fit(model_cls(), OrderedData(dataset(steps * 2 * trainer.world_size), 2))
         out[stage] = {"batches": sanity.batches, "checked": sanity.guard.recorder.count == 0}
     return out
@@ -234,10 +286,17 @@ def test_no_false_alarm_in_100_healthy_steps_at_every_stage() -> None:
 
 # ---- the callback on a Trainer: duplicated data (no DistributedSampler) is caught at the first step ----
 
+
 def same_data_fit() -> dict:
     data = token_dataset(16)
-    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=ShardLabStrategy(),
-                        max_steps=4, callbacks=[ShardLabSanity(every_n_steps=2)], **QUIET)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=ShardLabStrategy(),
+        max_steps=4,
+        callbacks=[ShardLabSanity(every_n_steps=2)],
+        **QUIET,
+    )
     try:
         trainer.fit(TinyGPT(), DataLoader(data, batch_size=2))  # use_distributed_sampler=False: every rank reads all
     except DuplicateDataError as error:
@@ -252,8 +311,9 @@ def test_callback_reports_every_rank_reading_the_same_data() -> None:
 
 def default_strategy_same_data_fit() -> dict:
     """No callback: the strategy runs the cheap checks by default (sanity_every_n_steps=10, from step 0)."""
-    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=ShardLabStrategy(),
-                        max_steps=4, **QUIET)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=ShardLabStrategy(), max_steps=4, **QUIET
+    )
     try:
         trainer.fit(TinyGPT(), DataLoader(token_dataset(16), batch_size=2))
     except DuplicateDataError as error:
@@ -267,6 +327,7 @@ def test_the_strategy_runs_the_checks_by_default() -> None:
 
 
 # ---- pieces without communication ----
+
 
 def test_tensor_digest_sees_one_ulp_and_a_swap() -> None:
     t = torch.randn(3001, dtype=torch.float32)
@@ -285,8 +346,11 @@ def test_tensor_digest_sees_one_ulp_and_a_swap() -> None:
 
 
 def test_first_difference_finds_a_skipped_call() -> None:
-    a = [(0, "all_gather", "root[float32]", 8, "float32"), (1, "all_gather", "blocks.0[float32]", 6, "float32"),
-         (2, "all_gather", "blocks.1[float32]", 6, "float32")]
+    a = [
+        (0, "all_gather", "root[float32]", 8, "float32"),
+        (1, "all_gather", "blocks.0[float32]", 6, "float32"),
+        (2, "all_gather", "blocks.1[float32]", 6, "float32"),
+    ]
     b = [a[0], (1, "all_gather", "blocks.1[float32]", 6, "float32")]
     seq, each = first_difference({0: {fp[0]: fp for fp in a}, 1: {fp[0]: fp for fp in b}})
     assert seq == 1 and each == {0: a[1], 1: b[1]}
@@ -294,14 +358,23 @@ def test_first_difference_finds_a_skipped_call() -> None:
     assert recorder.summary().tolist()[0] == 0
 
 
-@pytest.mark.parametrize(("option", "value"), [("every_n_steps", -1), ("poll_s", 0), ("strict_collectives", "yes"),
-                                               ("collective_timeout_s", -5), ("skip_buffers", "mask")])
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("every_n_steps", -1),
+        ("poll_s", 0),
+        ("strict_collectives", "yes"),
+        ("collective_timeout_s", -5),
+        ("skip_buffers", "mask"),
+    ],
+)
 def test_bad_options_name_the_option(option: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"`{option}="):
         SanityConfig(**{option: value})
 
 
 # ---- the example: each of break_it.py's three faults is caught, with its message ----
+
 
 def test_break_it_example_catches_all_three_faults() -> None:
     (out,) = run_commands([[sys.executable, "examples/break_it.py"]], timeout=300)

@@ -12,25 +12,32 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from lightning_shardlab import ShardLabStrategy
-from tests.counting import counting_collectives
-from tests.launch import run_ranks
+from tests.helpers.counting import counting_collectives
+from tests.helpers.launch import run_ranks
+from tests.helpers.reference import FP32
 from tests.models import OrderedData, TinyGPT, global_batches, token_dataset
-from tests.reference import FP32
 
-QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-             use_distributed_sampler=False)
+QUIET = dict(
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    use_distributed_sampler=False,
+)
 
 
-def fit_gpt(strategy, world_size: int, steps: int, local_batch: int, optimizer: str = "adamw",
-            **trainer_kwargs) -> tuple:
+def fit_gpt(
+    strategy, world_size: int, steps: int, local_batch: int, optimizer: str = "adamw", **trainer_kwargs
+) -> tuple:
     """Fit TinyGPT on ``world_size`` ranks (``devices=world_size`` unless the kwargs say otherwise)."""
     torch.manual_seed(0)
     model = TinyGPT(optimizer=optimizer)
     reference = copy.deepcopy(model)
     data = token_dataset(steps * local_batch * world_size)
     kwargs = {"accelerator": "cpu", "devices": world_size, **trainer_kwargs}
-    trainer = L.Trainer(strategy=strategy, max_steps=steps, num_sanity_val_steps=0, limit_val_batches=0, **QUIET,
-                        **kwargs)
+    trainer = L.Trainer(
+        strategy=strategy, max_steps=steps, num_sanity_val_steps=0, limit_val_batches=0, **QUIET, **kwargs
+    )
     trainer.fit(model, OrderedData(data, local_batch))
     return trainer, model, reference, data
 
@@ -47,8 +54,15 @@ def reference_run(reference: TinyGPT, data, local_batch: int, world_size: int) -
     return losses, reference.state_dict()
 
 
-def gpt_parity(world_size: int, stage: int = 3, steps: int = 10, local_batch: int = 2, optimizer: str = "adamw",
-               ranks_per_device: int = 1, **trainer_kwargs) -> dict:
+def gpt_parity(
+    world_size: int,
+    stage: int = 3,
+    steps: int = 10,
+    local_batch: int = 2,
+    optimizer: str = "adamw",
+    ranks_per_device: int = 1,
+    **trainer_kwargs,
+) -> dict:
     """Fit sharded, then (rank 0) check losses and weights against the unsharded reference."""
     strategy = ShardLabStrategy(stage=stage, ranks_per_device=ranks_per_device)
     trainer, model, reference, data = fit_gpt(strategy, world_size, steps, local_batch, optimizer, **trainer_kwargs)
@@ -113,9 +127,13 @@ def eval_loops(world_size: int) -> dict:
     expected = [reference(mine[i : i + 2]) for i in range(0, len(mine), 2)]
     with torch.no_grad():
         ref_loss = reference.loss(data.tensors).item()
-    return {"val": val, "test": test, "ref_loss": ref_loss,
-            "predictions_equal": [torch.allclose(p, e, **FP32) for p, e in zip(predictions, expected)],
-            "sharded_at_rest": all(p.is_meta for p in model.blocks.parameters())}
+    return {
+        "val": val,
+        "test": test,
+        "ref_loss": ref_loss,
+        "predictions_equal": [torch.allclose(p, e, **FP32) for p, e in zip(predictions, expected)],
+        "sharded_at_rest": all(p.is_meta for p in model.blocks.parameters()),
+    }
 
 
 def test_validate_test_predict_run_sharded_and_match() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_shardlab import collectives
-from lightning_shardlab.transport import Builtin, Pairwise
-from tests.launch import run_ranks
-from tests.reference import init_from_env, shutdown
+from lightning_shardlab.comm import collectives
+from lightning_shardlab.comm.transport import Builtin, Pairwise
+from tests.helpers.launch import run_ranks
+from tests.helpers.reference import init_from_env, shutdown
 
 
 def _inputs(rank: int, numel: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,22 +77,29 @@ def wire_agrees(numel: int, limit: int) -> dict:
         plain[verified] = (gathered, reduced, summed, biggest, sent, objects, one)
     shutdown()
     (g0, r0, s0, m0, b0, o0, x0), (g1, r1, s1, m1, b1, o1, x1) = plain[False], plain[True]
-    return {"gather": torch.equal(g0, g1), "reduce": torch.allclose(r0, r1, rtol=1e-6, atol=1e-7),
-            "sum": torch.allclose(s0, s1, rtol=1e-6, atol=1e-7), "max": torch.equal(m0, m1),
-            "broadcast": torch.equal(b0, b1), "objects": o0 == o1, "object": x0 == x1 == list(range(world + 2))}
+    return {
+        "gather": torch.equal(g0, g1),
+        "reduce": torch.allclose(r0, r1, rtol=1e-6, atol=1e-7),
+        "sum": torch.allclose(s0, s1, rtol=1e-6, atol=1e-7),
+        "max": torch.equal(m0, m1),
+        "broadcast": torch.equal(b0, b1),
+        "objects": o0 == o1,
+        "object": x0 == x1 == list(range(world + 2)),
+    }
 
 
 @pytest.mark.parametrize(("world_size", "limit"), [(2, 0), (3, 1 << 20), (3, 1 << 10)])
 def test_the_verified_wire_computes_what_the_collectives_do(world_size: int, limit: int) -> None:
     """limit 1 KiB: the shards (4 KiB) are larger than the receive room, so their headers are checked first."""
-    for report in run_ranks("tests.test_transport:wire_agrees", world_size, {"numel": 3 * 1024, "limit": limit},
-                            timeout=90):
+    for report in run_ranks(
+        "tests.test_transport:wire_agrees", world_size, {"numel": 3 * 1024, "limit": limit}, timeout=90
+    ):
         assert all(report.values()), report
 
 
 def wire_parts(case: str) -> str:
     """Rank 1 issues another call than rank 0; every rank must raise, naming both calls, never abort."""
-    from lightning_shardlab.mismatch import CollectiveMismatch
+    from lightning_shardlab.comm.mismatch import CollectiveMismatch
 
     comm = init_from_env()
     collectives.enable_verification(comm, 1 << 12)  # 4 KiB of room

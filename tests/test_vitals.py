@@ -18,9 +18,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_shardlab import ShardLabStrategy
-from lightning_shardlab.dashboard import VitalsHistory, find_outliers, write_dashboard
-from lightning_shardlab.vitals import ShardLabVitals
-from tests.launch import run_ranks
+from lightning_shardlab.vitals.callback import ShardLabVitals
+from lightning_shardlab.vitals.dashboard import VitalsHistory, find_outliers, write_dashboard
+from tests.helpers.launch import run_ranks
 from tests.models import OrderedData, TinyGPT, token_dataset
 from tests.test_trainer import QUIET
 
@@ -54,11 +54,21 @@ def vitals_fit(out: str, steps: int = 20) -> dict:
     vitals = ShardLabVitals(dashboard_dir=str(Path(out) / "dashboard"))
     model = LoudGPT()
     quiet = {k: v for k, v in QUIET.items() if k != "logger"}
-    trainer = L.Trainer(accelerator="cpu", devices=3, strategy=ShardLabStrategy(stage=3), max_steps=steps,
-                        callbacks=[vitals], logger=CSVLogger(out, name="csv"), **quiet)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=3,
+        strategy=ShardLabStrategy(stage=3),
+        max_steps=steps,
+        callbacks=[vitals],
+        logger=CSVLogger(out, name="csv"),
+        **quiet,
+    )
     trainer.fit(model, OrderedData(token_dataset(steps * 2 * 3), 2))
-    return {"global_norms": model.global_norms, "paths": {k: str(v) for k, v in vitals.paths.items()},
-            "signals": vitals.signals}
+    return {
+        "global_norms": model.global_norms,
+        "paths": {k: str(v) for k, v in vitals.paths.items()},
+        "signals": vitals.signals,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -116,13 +126,20 @@ def test_dashboard_marks_the_rank_with_loud_activations(vitals_run: tuple[list[d
             flagged = [(o["rank"], o["step"]) for o in data["outliers"] if o["signal"] == f"{kind}/{unit}"]
             assert flagged == [(1, step) for step in range(LOUD_FROM, 20)], (kind, unit, flagged)
     assert all(o["step"] >= LOUD_FROM for o in data["outliers"]), data["outliers"]  # no false alarm before
-    assert data["reasons"] == {"grad_norm_local/blocks.1": "frozen: no gradient, no update",
-                               "update_ratio/blocks.1": "frozen: no gradient, no update"}
-    assert set(data["global_signals"]) == {"grad_norm", "update_ratio/root", "update_ratio/blocks.0",
-                                           "update_ratio/blocks.1"}
+    assert data["reasons"] == {
+        "grad_norm_local/blocks.1": "frozen: no gradient, no update",
+        "update_ratio/blocks.1": "frozen: no gradient, no update",
+    }
+    assert set(data["global_signals"]) == {
+        "grad_norm",
+        "update_ratio/root",
+        "update_ratio/blocks.0",
+        "update_ratio/blocks.1",
+    }
 
 
 # ---- without communication: the update ratio, and the outlier rule ----
+
 
 class TwoLayers(L.LightningModule):
     def __init__(self) -> None:
@@ -152,8 +169,16 @@ def test_update_ratio_is_lr_grad_over_weight_for_sgd(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model, vitals = TwoLayers(), ShardLabVitals(dashboard_dir=str(tmp_path))
     data = TensorDataset(torch.randn(12, 4), torch.randn(12, 2))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[vitals], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        callbacks=[vitals],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, DataLoader(data, batch_size=2))
     history = np.stack(vitals.rows)[:, 0]  # (steps, signals) of the one rank
     signals = [*vitals.signals, *vitals.global_signals]

@@ -1,6 +1,6 @@
 """A rank that raises, is killed or hangs ends the run on every rank, and every rank's log names it.
 
-Bounds (watchdog.py), with this file's settings (poll_s=0.2, grace_s=5, collective_timeout_s=5):
+Bounds (guard/watchdog.py), with this file's settings (poll_s=0.2, grace_s=5, collective_timeout_s=5):
     raise, kill  poll_s + ack_s + grace_s after the fault        (< 11 s)
     hang         collective_timeout_s + poll_s + ack_s + grace_s  (< 16 s, well inside "timeout + 30 s")
 Each run's harness timeout is the time to start the ranks (imports, setup: < 60 s on 2 busy cores) plus
@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from lightning_shardlab import Comm, ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
-from lightning_shardlab.sanity_callback import ShardLabSanity
-from lightning_shardlab.sanity_guard import SanityConfig, SanityGuard
-from tests.launch import run_ranks
+from lightning_shardlab.guard.callback import ShardLabSanity
+from lightning_shardlab.guard.guard import SanityConfig, SanityGuard
+from tests.helpers.launch import run_ranks
+from tests.helpers.reference import init_from_env
 from tests.models import OddNet, OrderedData, TinyGPT, regression_batches, token_dataset
-from tests.reference import init_from_env
 from tests.test_trainer import QUIET
 
 FAULT_STEP = 5
@@ -54,14 +54,25 @@ class FaultyGPT(TinyGPT):
 def faulty_fit(fault: str, fault_rank: int) -> None:
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardLabStrategy(), max_steps=20,
-                        callbacks=[ShardLabSanity(every_n_steps=4, **WATCH)], **QUIET)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=ShardLabStrategy(),
+        max_steps=20,
+        callbacks=[ShardLabSanity(every_n_steps=4, **WATCH)],
+        **QUIET,
+    )
     trainer.fit(FaultyGPT(fault, fault_rank), OrderedData(token_dataset(20 * 2 * world), 2))
 
 
 def _launch(fault: str, fault_rank: int, world: int, bound_s: float) -> list[tuple[int, str]]:
-    return run_ranks("tests.test_watchdog:faulty_fit", world, {"fault": fault, "fault_rank": fault_rank},
-                     timeout=STARTUP_S + bound_s + 30, expect_failure=True)
+    return run_ranks(
+        "tests.test_watchdog:faulty_fit",
+        world,
+        {"fault": fault, "fault_rank": fault_rank},
+        timeout=STARTUP_S + bound_s + 30,
+        expect_failure=True,
+    )
 
 
 def test_a_rank_that_raises_ends_every_rank_and_is_named() -> None:
@@ -96,8 +107,11 @@ def test_a_hang_is_diagnosed_with_the_missing_rank_and_where_it_is() -> None:
         assert rc != 0, log
         assert f"[rank {rank}] cause: rank 0 waited more than collective_timeout_s=5 s in collective #" in log, log
         assert f"[rank {rank}] missing: rank 1" in log
-        assert re.search(rf"\[rank {rank}\]   rank 1 never reached collective #\d+: it has been running outside any"
-                         r" collective for [\d.]+ s at \S+test_watchdog.py:\d+ in training_step", log), log
+        assert re.search(
+            rf"\[rank {rank}\]   rank 1 never reached collective #\d+: it has been running outside any"
+            r" collective for [\d.]+ s at \S+test_watchdog.py:\d+ in training_step",
+            log,
+        ), log
     assert "RankFailure" in results[1][1]  # the hung rank is stopped where it is, with the same report
 
 
@@ -110,6 +124,7 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step() -> None:
 
 
 # ---- without the Trainer: the guard around a plain loop ----
+
 
 def plain_loop_raise(fault_rank: int) -> None:
     comm: Comm = init_from_env()
@@ -132,8 +147,13 @@ def plain_loop_raise(fault_rank: int) -> None:
 
 
 def test_plain_loop_guard_reports_a_failure_of_the_store_host() -> None:
-    results = run_ranks("tests.test_watchdog:plain_loop_raise", 3, {"fault_rank": 0}, expect_failure=True,
-                        timeout=STARTUP_S + 0.2 + 5 + 5 + 30)
+    results = run_ranks(
+        "tests.test_watchdog:plain_loop_raise",
+        3,
+        {"fault_rank": 0},
+        expect_failure=True,
+        timeout=STARTUP_S + 0.2 + 5 + 5 + 30,
+    )
     assert results[0][0] != 0 and "RuntimeError: injected failure in a plain loop" in results[0][1]
     for rank, (rc, log) in enumerate(results[1:], start=1):
         assert rc != 0, log

@@ -52,8 +52,15 @@ class Recipe:
 
 FULL = Recipe()
 QUICK = Recipe(
-    model=dict(n_layer=2, n_head=2, n_embd=32, block_size=32), batch_size=8, pretrain_steps=40, finetune_steps=30,
-    pretrain_lr=3e-3, finetune_lr=3e-3, val_every=10, val_batches=4, new_tokens=24,
+    model=dict(n_layer=2, n_head=2, n_embd=32, block_size=32),
+    batch_size=8,
+    pretrain_steps=40,
+    finetune_steps=30,
+    pretrain_lr=3e-3,
+    finetune_lr=3e-3,
+    val_every=10,
+    val_batches=4,
+    new_tokens=24,
 )
 
 
@@ -64,10 +71,17 @@ def report(*lines: str) -> None:
 
 def make_trainer(recipe: Recipe, stage: int, steps: int, logs: Path, *callbacks: L.Callback) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=2, strategy=ShardLabStrategy(stage=stage, state_dict_type="full"), max_steps=steps,
-        val_check_interval=min(recipe.val_every, steps), limit_val_batches=recipe.val_batches,
-        num_sanity_val_steps=0, log_every_n_steps=5, enable_checkpointing=False,
-        logger=CSVLogger(logs, name="logs"), callbacks=[ShardLabBudget(), *callbacks],
+        accelerator="cpu",
+        devices=2,
+        strategy=ShardLabStrategy(stage=stage, state_dict_type="full"),
+        max_steps=steps,
+        val_check_interval=min(recipe.val_every, steps),
+        limit_val_batches=recipe.val_batches,
+        num_sanity_val_steps=0,
+        log_every_n_steps=5,
+        enable_checkpointing=False,
+        logger=CSVLogger(logs, name="logs"),
+        callbacks=[ShardLabBudget(), *callbacks],
     )
 
 
@@ -122,8 +136,9 @@ def pretrain(recipe: Recipe, ckpt: Path) -> None:
 
 def finetune(recipe: Recipe, init_from: Path, out: Path) -> tuple[float, float]:
     report(f"\n=== 2. fine-tuning on python help topics, fully sharded (stage 3, 2 ranks), from {init_from} ===")
-    model = GPT(**recipe.model, lr=recipe.finetune_lr, warmup_steps=recipe.finetune_steps // 10,
-                init_from=str(init_from))
+    model = GPT(
+        **recipe.model, lr=recipe.finetune_lr, warmup_steps=recipe.finetune_steps // 10, init_from=str(init_from)
+    )
     data = data_for(recipe, "python_topics")
     vitals = ShardLabVitals(every_n_steps=5, dashboard_dir=str(out / "vitals"))  # every rank's signs, overlaid
     trainer = make_trainer(recipe, 3, recipe.finetune_steps, out, vitals)

@@ -30,12 +30,60 @@ from lightning_shardlab.examples.hf_local import from_local, require_transformer
 SOURCES = ("stdlib_docstrings", "python_topics")
 
 STDLIB_MODULES = (
-    "abc", "argparse", "base64", "bisect", "calendar", "collections", "configparser", "contextlib", "copy",
-    "csv", "dataclasses", "datetime", "decimal", "difflib", "enum", "fractions", "functools", "glob", "gzip",
-    "hashlib", "heapq", "html", "http.client", "inspect", "io", "ipaddress", "itertools", "json", "logging",
-    "math", "operator", "os", "pathlib", "pickle", "pprint", "queue", "random", "re", "shutil", "socket",
-    "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "time", "typing",
-    "unittest", "urllib.parse", "uuid", "warnings", "zipfile",
+    "abc",
+    "argparse",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "enum",
+    "fractions",
+    "functools",
+    "glob",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "html",
+    "http.client",
+    "inspect",
+    "io",
+    "ipaddress",
+    "itertools",
+    "json",
+    "logging",
+    "math",
+    "operator",
+    "os",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "shutil",
+    "socket",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "time",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "warnings",
+    "zipfile",
 )  # sorted; pure standard library, importable everywhere
 
 
@@ -47,7 +95,8 @@ def _documented(module: ModuleType) -> list[tuple[str, object]]:
     names = getattr(module, "__all__", None) or [name for name in vars(module) if not name.startswith("_")]
     members = [(name, getattr(module, name, None)) for name in sorted(names)]
     return [
-        (name, obj) for name, obj in members
+        (name, obj)
+        for name, obj in members
         if getattr(obj, "__module__", None) == module.__name__ and (inspect.isclass(obj) or inspect.isroutine(obj))
     ]
 
@@ -210,8 +259,9 @@ class TextDataModule(L.LightningDataModule):
         block = self.hparams.block_size
         samples = self.hparams.train_samples or len(self.train_tokens) // block
         dataset = RandomBlocks(self.train_tokens, block, samples, self.hparams.seed)
-        return DataLoader(dataset, self.hparams.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.hparams.num_workers)
+        return DataLoader(
+            dataset, self.hparams.batch_size, shuffle=True, drop_last=True, num_workers=self.hparams.num_workers
+        )
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_tokens is not None

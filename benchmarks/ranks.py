@@ -1,0 +1,38 @@
+"""Run a benchmark function on N local ranks (processes) and collect what each returns.
+
+Each rank gets the environment torchrun would give it (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK,
+LOCAL_RANK, NODE_RANK), so a ``Trainer(devices=N)`` or ``init_process_group("gloo")`` inside joins as is.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, fn: Callable[..., Any], world: int, port: int, kwargs: dict, results: dict) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+        LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    results[rank] = fn(**kwargs)
+
+
+def run_ranks(fn: Callable[..., Any], world: int, kwargs: dict | None = None) -> list[Any]:
+    """``fn(**kwargs)`` on ``world`` ranks; each rank's return value, in rank order (a failure raises)."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank, args=(fn, world, free_port(), kwargs or {}, results), nprocs=world, join=True)
+        return [results[r] for r in range(world)]

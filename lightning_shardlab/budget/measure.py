@@ -1,0 +1,55 @@
+"""The budget, measured: the bytes this rank holds right now, read from the storages of its real tensors.
+
+Each storage is counted once, by category (the same categories predict.py uses); nothing is estimated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_shardlab.sharding.flat_param import FlatParam
+
+MEMORY_CATEGORIES = ("params", "grads", "master", "optimizer_state", "padding")
+
+
+def _storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0 or t.is_meta:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def measure_memory(flat_params: list[FlatParam], optimizers: Iterable[Optimizer] = ()) -> dict[str, int]:
+    """Bytes this rank holds right now, by category, read from the storages of the real tensors.
+
+    ``params`` counts the compute copies (shards, and full buffers while they are allocated);
+    ``padding`` is the part of ``params`` and ``grads`` that pads flat parameters to the world size.
+    """
+    seen: set[int] = set()
+    out = dict.fromkeys(MEMORY_CATEGORIES, 0)
+    out["params"] = _storage_bytes([t for fp in flat_params for t in (fp.full, fp.shard)], seen)
+    out["master"] = _storage_bytes([fp.master for fp in flat_params], seen)
+    out["grads"] = _storage_bytes([fp.grad_shard for fp in flat_params if fp.grad_shard is not None], seen)
+    out["grads"] += _storage_bytes(
+        [p.grad for fp in flat_params for p in fp.unsharded_params if p.grad is not None], seen
+    )
+    state = [v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
+    out["optimizer_state"] = _storage_bytes(state, seen)
+    out["padding"] = sum(_padding_bytes(fp) for fp in flat_params)
+    return out
+
+
+def _padding_bytes(fp: FlatParam) -> int:
+    in_shard = fp.layout.padding_in_shard(fp.rank)
+    held = fp.layout.padding if fp.full.untyped_storage().nbytes() > 0 else 0
+    if fp.shard.untyped_storage().data_ptr() != fp.full.untyped_storage().data_ptr():
+        held += in_shard  # a shard of its own (stage 3)
+    grads = in_shard * fp.grad_shard.element_size() if fp.grad_shard is not None else 0
+    return held * fp.layout.dtype.itemsize + grads

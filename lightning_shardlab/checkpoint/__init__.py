@@ -1,0 +1,25 @@
+"""Checkpoints: two formats, one loader, at any world size and stage.
+
+``state_dict_type="sharded"`` (the default) writes a directory in which every rank writes its own
+slices, so no rank ever holds more than its shard ([Note: the sharded checkpoint format] in
+checkpoint/format.py). ``state_dict_type="full"`` writes one plain Lightning checkpoint file: the
+unsharded state dict and optimizer state, gathered one flat parameter at a time and written by rank 0
+(checkpoint/full.py); it loads with ``MyModule.load_from_checkpoint`` without this package.
+
+Loading detects the format (a directory or a file) and works at any world size and any stage: each
+rank takes the elements of its new shard. Both formats are written atomically (complete, or absent:
+checkpoint/files.py), keep non-model state that differs between ranks for every rank
+(checkpoint/rank_state.py), and agree on one verdict before anything is loaded, so a missing, truncated
+or altered file raises the same error on every rank, naming it. ``shardlab consolidate`` turns a sharded
+checkpoint into a full one in one process (checkpoint/consolidate.py); ``shardlab inspect`` describes
+either (checkpoint/inspect.py). The files, one concept each:
+
+    io.py           what the strategy calls: save / load / remove, by format
+    full.py         full state dicts: gather, and slice back into shards
+    format.py       the sharded format on disk: metadata, verification, reads of element ranges
+    sharded.py      the collective sharded save and load
+    rank_state.py   per-rank side state
+    files.py        atomic commit, fsync, sizes and checksums
+    consolidate.py  a sharded checkpoint into a full one, in one process (``shardlab consolidate``)
+    inspect.py      what a checkpoint holds (``shardlab inspect``)
+"""

@@ -1,0 +1,121 @@
+"""``shardlab consolidate SRC DST``: a sharded checkpoint becomes one plain Lightning checkpoint, in one process.
+
+The output is what ``state_dict_type="full"`` writes: ``state_dict`` with exactly the LightningModule's
+own keys in its order (tied parameters share one tensor), ``optimizer_states`` in the unsharded torch
+format (state by parameter index, per-element tensors in the parameters' shapes), and everything else
+Lightning saved (loops, callbacks, LR schedulers, hyperparameters), and with ShardLabEMA the averaged
+weights under ``ema_state_dict`` (the same keys). So ``MyModule.load_from_checkpoint(DST)``
+loads it without importing this package, and shardlab loads it back at any world size and stage.
+
+No process group and no original world size: this one process verifies every file (sizes, sha256),
+then reads every shard file memory-mapped, one flat parameter at a time. It needs memory for the whole
+model and optimizer state, as any single-file checkpoint does. Non-model state that differed between
+ranks is kept, every rank's value, under ``checkpoint["shardlab_rank_states"]`` (plain types; Lightning
+ignores the key). DST is written under a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_shardlab.checkpoint.files import CheckpointError, commit, delete, fsync_file, new_id, tmp_path
+from lightning_shardlab.checkpoint.format import EMA, EMA_RECORD, EMA_STATE_DICT, RANK_STATES_KEY, CheckpointReader
+
+
+def consolidated_checkpoint(src: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+    """The full (plain Lightning) checkpoint of the sharded checkpoint ``src``. Raises ``CheckpointError``."""
+    reader = CheckpointReader.open(src)
+    reader.verify(reader.meta["files"])  # every file, checksums included
+    checkpoint = reader.load_trainer_state(weights_only)
+    saved = checkpoint.pop(RANK_STATES_KEY, None)
+    if saved and saved["paths"]:
+        values = [s["values"] for s in reader.load_rank_states(weights_only)]
+        checkpoint[RANK_STATES_KEY] = {**saved, "values": values}
+    ema = checkpoint.get(EMA_RECORD)
+    if ema is not None:  # ShardLabEMA's average: the same keys, averaged buffers, frozen parameters as they are
+        checkpoint[EMA_STATE_DICT] = _full_state_dict(reader, {**checkpoint["state_dict"], **ema["buffers"]}, EMA)
+    checkpoint["state_dict"] = _full_state_dict(reader, checkpoint["state_dict"])
+    if "optimizer_states" in checkpoint:
+        checkpoint["optimizer_states"] = [
+            _full_optimizer_state(reader, o, s) for o, s in enumerate(checkpoint["optimizer_states"])
+        ]
+    reader.close()
+    return checkpoint
+
+
+def _full_state_dict(reader: CheckpointReader, replicated: dict[str, Any], kind: str = "master") -> dict[str, Any]:
+    params: dict[str, torch.Tensor] = {}
+    for i, layout in enumerate(reader.layouts):
+        saved = kind if kind in reader.tensors[i] else "master"  # a frozen flat parameter has no average
+        flat = reader.read(saved, i, 0, layout.numel)  # 1-D, numel: the whole flat parameter, unpadded
+        for slot in layout.slots:
+            value = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+            for fqn in slot.fqns:
+                params[fqn] = value
+    keys = reader.meta["state_dict_keys"]
+    missing = [k for k in keys if k not in params and k not in replicated]
+    if missing:
+        raise CheckpointError(f"{reader.path}: the saved state lacks {missing[:5]}. HINT: the checkpoint is damaged.")
+    return {k: params[k] if k in params else replicated[k] for k in keys}
+
+
+def _full_optimizer_state(reader: CheckpointReader, o: int, skeleton: dict[str, Any]) -> dict[str, Any]:
+    record = reader.meta["optimizers"][o]
+    state: dict[int, dict[str, Any]] = {int(j): dict(v) for j, v in skeleton["state"].items()}
+    for j, keys in enumerate(record["state_keys"]):
+        name = record["params"][j]
+        shape = reader.where[name][1].shape
+        for key in keys:
+            state.setdefault(j, {})[key] = reader.read_param(f"optim{o}/{key}", name, 0, shape.numel()).view(shape)
+    return {"state": {j: state[j] for j in sorted(state)}, "param_groups": skeleton["param_groups"]}
+
+
+def consolidate(src: str | Path, dst: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+    """Write the consolidated checkpoint of ``src`` to ``dst`` atomically; returns it."""
+    checkpoint = consolidated_checkpoint(src, weights_only)
+    final = Path(dst).absolute()
+    if final == Path(src).absolute():
+        raise ValueError(f"DST {dst} is the sharded checkpoint itself. HINT: write the consolidated file elsewhere.")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path(final, new_id())
+    try:
+        torch.save(checkpoint, tmp)
+        fsync_file(tmp)
+        commit(tmp, final)
+    finally:
+        delete(tmp)
+    return checkpoint
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="shardlab consolidate",
+        description="Turn a sharded shardlab checkpoint (a directory) into one plain Lightning checkpoint file,"
+        " loadable with MyModule.load_from_checkpoint() without lightning_shardlab. One process.",
+    )
+    parser.add_argument("src", help="the sharded checkpoint directory")
+    parser.add_argument("dst", help="the file to write (replaced atomically if it exists)")
+    parser.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="load trainer_state.pt with weights_only=False (it holds your own classes; trust it)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        checkpoint = consolidate(args.src, args.dst, weights_only=False if args.trust_pickle else None)
+    except (CheckpointError, ValueError, OSError) as err:
+        sys.exit(f"shardlab consolidate: error: {err}")
+    n = sum(v.numel() for v in {id(v): v for v in checkpoint["state_dict"].values() if torch.is_tensor(v)}.values())
+    print(
+        f"consolidated {args.src} -> {args.dst}: {len(checkpoint['state_dict'])} state_dict entries ({n:,} elements),"
+        f" {len(checkpoint.get('optimizer_states', []))} optimizer state(s), {Path(args.dst).stat().st_size:,} bytes"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The ledger: what moves between ranks, recorded by the collectives as it happens.
+
+Each call counts its own tensor sizes when it is launched, and a wall clock from launch to ``wait()``
+returning when it is waited for. Nothing here is estimated; budget/predict.py says what the layout
+expects, and the budget shows the two side by side.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CollectiveTotals:
+    count: int = 0
+    bytes: int = 0  # the size of the full (gathered / reduced) tensor of each call
+    seconds: float = 0.0  # this rank blocked on it: launching, and waiting (what compute did not hide)
+
+    def add(self, nbytes: int) -> None:
+        self.count += 1
+        self.bytes += nbytes
+
+
+@dataclass
+class Ledger:
+    """Collective traffic by kind and by (kind, label), since the last ``reset()``. A call counts (and its
+    bytes) when it is launched; its seconds when it is waited for, which may be later (async)."""
+
+    by_kind: dict[str, CollectiveTotals] = field(default_factory=lambda: defaultdict(CollectiveTotals))
+    by_label: dict[tuple[str, str], CollectiveTotals] = field(default_factory=lambda: defaultdict(CollectiveTotals))
+
+    gathered_bytes: int = 0  # full buffers allocated right now by stage-3 unsharding
+    gathered_peak: int = 0  # the most at once since the last reset_peak()
+
+    def track_gathered(self, delta: int) -> None:
+        self.gathered_bytes += delta
+        self.gathered_peak = max(self.gathered_peak, self.gathered_bytes)
+
+    def reset_peak(self) -> None:
+        self.gathered_peak = self.gathered_bytes
+
+    def record_launch(self, kind: str, label: str, nbytes: int) -> None:
+        self.by_kind[kind].add(nbytes)
+        self.by_label[(kind, label)].add(nbytes)
+
+    def record_seconds(self, kind: str, label: str, seconds: float) -> None:
+        self.by_kind[kind].seconds += seconds
+        self.by_label[(kind, label)].seconds += seconds
+
+    def snapshot(self) -> dict[tuple[str, str], tuple[int, int, float]]:
+        """(count, bytes, seconds) by (kind, label), to subtract a stretch (e.g. validation) later."""
+        return {key: (t.count, t.bytes, t.seconds) for key, t in self.by_label.items()}
+
+    def reset(self) -> None:
+        self.by_kind.clear()
+        self.by_label.clear()

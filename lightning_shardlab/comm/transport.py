@@ -1,0 +1,118 @@
+"""How an all-gather or a reduce-scatter is carried out: torch's built-in collective, or a pairwise exchange.
+
+gloo's built-in all-gather and reduce-scatter move data through general algorithms that, for the
+message sizes of a unit (1-30 MB) on a few ranks, measured 2-3x slower here than simply exchanging
+the chunks directly: every rank sends each peer the chunk that peer needs and receives its own from
+each peer (``batch_isend_irecv``; one round; N-1 sends and N-1 receives). ``collectives.choose_transports``
+times both on the sizes the model will move and keeps the faster for each operation; NCCL keeps its own.
+
+Both return a ``Launched``: the works in flight and a step to run once they are done. (With verified
+collectives on gloo, comm/wire.py carries every call instead: the pairwise exchange plus a header each way.)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass
+class Launched:
+    """A collective in flight: wait for ``first``, run ``check``, wait for ``works``, then run ``finish``.
+    (``first`` and ``check``: the header of a verified call, checked before its payload is used.)"""
+
+    works: list[Any]
+    finish: Callable[[], None] | None = None
+    first: list[Any] = field(default_factory=list)
+    check: Callable[[], None] | None = None
+
+
+AG_TAG, RS_TAG = 11, 12  # separate channels, so an all-gather and a reduce-scatter in flight never pair up
+
+
+class Builtin:
+    name = "builtin"
+
+    @staticmethod
+    def all_gather(out: Tensor, inp: Tensor, group: Any, rank: int, world: int) -> Launched:
+        return Launched([dist.all_gather_single(out, inp, group=group, async_op=True)])
+
+    @staticmethod
+    def reduce_scatter_sum(out: Tensor, inp: Tensor, group: Any, rank: int, world: int) -> Launched:
+        return Launched([dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)])
+
+
+class Pairwise:
+    name = "pairwise"
+
+    @staticmethod
+    def all_gather(out: Tensor, inp: Tensor, group: Any, rank: int, world: int) -> Launched:
+        s = inp.numel()
+        out[rank * s : (rank + 1) * s].copy_(inp)
+        ops = []
+        for peer in range(world):
+            if peer != rank:
+                ops.append(dist.P2POp(dist.isend, inp, global_rank(group, peer), group, AG_TAG))
+                ops.append(
+                    dist.P2POp(dist.irecv, out[peer * s : (peer + 1) * s], global_rank(group, peer), group, AG_TAG)
+                )
+        return Launched(dist.batch_isend_irecv(ops))
+
+    @staticmethod
+    def reduce_scatter_sum(out: Tensor, inp: Tensor, group: Any, rank: int, world: int) -> Launched:
+        s = out.numel()
+        received = {peer: torch.empty_like(out) for peer in range(world) if peer != rank}
+        ops = []
+        for peer, buf in received.items():
+            ops.append(dist.P2POp(dist.isend, inp[peer * s : (peer + 1) * s], global_rank(group, peer), group, RS_TAG))
+            ops.append(dist.P2POp(dist.irecv, buf, global_rank(group, peer), group, RS_TAG))
+
+        def finish() -> None:  # sum in rank order on every rank: deterministic, whatever arrives first
+            chunks = [received[p] if p != rank else inp[rank * s : (rank + 1) * s] for p in range(world)]
+            torch.add(chunks[0], chunks[1], out=out)
+            for chunk in chunks[2:]:
+                out.add_(chunk)
+
+        return Launched(dist.batch_isend_irecv(ops), finish)
+
+
+TRANSPORTS = {t.name: t for t in (Builtin, Pairwise)}
+
+
+def global_rank(group: Any, peer: int) -> int:
+    """``peer``'s rank in the default group (what point-to-point calls take) from its rank in ``group``."""
+    return peer if group is None else dist.get_global_rank(group, peer)
+
+
+def _seconds(run: Callable[[], Launched], repeats: int) -> float:
+    samples = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        launched = run()
+        for work in launched.works:
+            work.wait()
+        if launched.finish is not None:
+            launched.finish()
+        if i:  # the first is a warm-up
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def time_transports(numel: int, dtype: torch.dtype, group: Any, rank: int, world: int, repeats: int = 3) -> list[float]:
+    """This rank's seconds for [all-gather builtin, reduce-scatter builtin, all-gather pairwise, reduce-scatter
+    pairwise] on a flat parameter of ``numel`` elements (every rank must call it)."""
+    s = -(-numel // world)
+    shard, full = torch.ones(s, dtype=dtype), torch.ones(s * world, dtype=dtype)  # no draws from the global RNG
+    out_full, out_shard = torch.empty_like(full), torch.empty_like(shard)
+    times = []
+    for transport in (Builtin, Pairwise):
+        times.append(_seconds(lambda t=transport: t.all_gather(out_full, shard, group, rank, world), repeats))
+        times.append(_seconds(lambda t=transport: t.reduce_scatter_sum(out_shard, full, group, rank, world), repeats))
+    return times

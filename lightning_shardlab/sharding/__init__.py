@@ -1,0 +1,18 @@
+"""The sharding engine: flat parameters, units, the sharded model and the sharded optimizer.
+
+In the order a step meets them:
+
+    flat_param.py       ``FlatParamLayout`` and ``FlatParam``: the tensors of one unit laid out flat, sharded
+    iteration.py        evidence, read from a forward's source, that it runs every block of a container
+    policy.py           which modules become units
+    materialize.py      meta-device modules built unit by unit
+    unit.py             one unit's state machine: gather, free, reduce gradients
+    hooks.py            the forward and backward hooks that drive the units
+    gradients.py        flat gradients, grad shards, and what the optimizer sees
+    usage.py            the ranks' agreement on which parameters got gradients
+    divergent_units.py  what a collective mismatch between units means, and the fix
+    sharded_model.py    ``ShardedModel``: the units of one module, a step, the refresh after it
+    optimizer.py        the optimizer over master shards; the global gradient norm
+    gathered.py         full weights between steps for the user (``gathered_params``)
+    averages.py         the sharded exponential average of the master shards (EMA)
+"""

@@ -1,0 +1,107 @@
+"""Averaged weights, kept sharded: each rank averages its own master shards (no communication per update).
+
+``Averages`` is the state; ``ShardLabEMA`` (ema.py) decides when to update it. The update is torch's
+``AveragedModel`` with ``get_ema_avg_fn(decay)``, applied to this rank's slice: the first update copies
+the weights, later ones compute ``decay * average + (1 - decay) * weights``. Both are elementwise, so the
+slices of the unsharded average and the averages of the slices are the same numbers, bit for bit.
+
+    shards[i]    1-D, S, master dtype: the average of flat parameter i's master shard; None when the flat
+                 parameter is frozen (it never changes, so it is its own average and no copy is kept)
+    buffers      name -> tensor: the buffers averaged the same way (``use_buffers``), else their values at
+                 the last update (AveragedModel keeps its buffers in sync with the model's then)
+    n_averaged   updates so far (0: the average still holds the weights it was made from)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_shardlab.sharding.flat_param import FlatParam
+from lightning_shardlab.sharding.sharded_model import ShardedModel
+
+
+class Averages:
+    def __init__(self, sharded: ShardedModel, use_buffers: bool = True) -> None:
+        self.use_buffers = use_buffers
+        self.shards: list[Tensor | None] = [
+            fp.master.detach().clone() if fp.layout.requires_grad else None for fp in sharded.flat_params
+        ]
+        self.buffers: dict[str, Tensor] = {n: b.detach().clone() for n, b in sharded.module.named_buffers()}
+        self.n_averaged = 0
+
+    def shard_of(self, sharded: ShardedModel, fp: FlatParam) -> Tensor:
+        """The averaged values of ``fp``'s shard (1-D, S): its own master when it is frozen."""
+        avg = self.shards[sharded.flat_params.index(fp)]
+        return fp.master if avg is None else avg
+
+    @torch.no_grad()
+    def update(self, sharded: ShardedModel, decay: float) -> None:
+        """One EMA update from the current master shards and buffers (AveragedModel.update_parameters)."""
+        for fp, avg in zip(sharded.flat_params, self.shards):
+            if avg is not None:
+                avg.copy_(fp.master if self.n_averaged == 0 else decay * avg + (1 - decay) * fp.master)
+        for name, buf in sharded.module.named_buffers():
+            avg = self.buffers[name]
+            average = self.use_buffers and self.n_averaged > 0
+            avg.copy_(decay * avg + (1 - decay) * buf.to(avg.device) if average else buf)
+        self.n_averaged += 1
+
+    @torch.no_grad()
+    def swap(self, sharded: ShardedModel) -> None:
+        """Exchange the weights and buffers with the average (collective at stages 1-2: the resident full
+        buffers are re-gathered). Swapping twice restores both, bit for bit."""
+        changed = set()
+        for fp, avg in zip(sharded.flat_params, self.shards):
+            if avg is not None:
+                current = fp.master.detach().clone()
+                fp.master.copy_(avg)
+                avg.copy_(current)
+                changed.add(fp)
+        for name, buf in sharded.module.named_buffers():
+            current = buf.detach().clone()
+            buf.copy_(self.buffers[name])
+            self.buffers[name].copy_(current)
+        sharded.refresh(changed)
+
+    @torch.no_grad()
+    def apply(self, sharded: ShardedModel) -> None:
+        """The weights and buffers take the average's values (collective at stages 1-2)."""
+        changed = set()
+        for fp, avg in zip(sharded.flat_params, self.shards):
+            if avg is not None:
+                fp.master.copy_(avg)
+                changed.add(fp)
+        for name, buf in sharded.module.named_buffers():
+            buf.copy_(self.buffers[name])
+        sharded.refresh(changed)
+
+    # ---- checkpoints: the shards travel with the masters; the rest is this record (checkpoint_format.EMA_RECORD) ----
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "n_averaged": self.n_averaged,
+            "use_buffers": self.use_buffers,
+            "buffers": {n: b.detach().to("cpu", copy=True) for n, b in self.buffers.items()},
+        }
+
+    @torch.no_grad()
+    def restart(self, sharded: ShardedModel) -> None:
+        """Start again from the current weights (a checkpoint saved without an average was loaded: the
+        average starts from its weights, as with Lightning's weight averaging)."""
+        for fp, avg in zip(sharded.flat_params, self.shards):
+            if avg is not None:
+                avg.copy_(fp.master)
+        for name, buf in sharded.module.named_buffers():
+            self.buffers[name].copy_(buf)
+        self.n_averaged = 0
+
+    @torch.no_grad()
+    def load_record(self, record: dict[str, Any]) -> None:
+        """Take a checkpoint's record (its shards were loaded with the masters)."""
+        self.n_averaged = int(record["n_averaged"])
+        for name, value in record["buffers"].items():
+            if name in self.buffers:
+                self.buffers[name].copy_(value)

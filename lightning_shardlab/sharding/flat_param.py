@@ -1,0 +1,249 @@
+"""The flat-parameter layout and the tensors that live on it. Pure: nothing here communicates.
+
+[Note: shardlab tensors]
+Every function and test in this package uses exactly these names. S = padded_numel // world_size.
+
+    original param   an ``nn.Parameter`` the user created. Its values are copied into the flat buffer
+                     at setup; from then on the module holds one of the two objects below instead,
+                     under the same name.
+    full buffer      ``full``: 1-D, numel = padded_numel, compute dtype. The unit's parameters laid end
+                     to end in registration order, then zeros up to a multiple of the world size.
+                     Stage 3 frees its storage whenever the unit is SHARDED; stages 1-2 keep it.
+    shard            ``shard``: 1-D, numel = S, compute dtype: ``full[rank*S:(rank+1)*S]``. Stage 3
+                     keeps it as its own tensor; stages 1-2 view it inside ``full``.
+    master shard     ``master``: 1-D, numel = S, fp32. What the optimizer updates. In fp32 training it
+                     *is* ``shard`` (same tensor), so there is no second copy.
+    unsharded param  ``unsharded_params[i]``: an ``nn.Parameter`` viewing ``full[offset:offset+numel]``
+                     with the original shape. The module computes with it; autograd writes its ``.grad``.
+    placeholder      ``placeholders[i]`` (stage 3 only): an ``nn.Parameter`` on the meta device with the
+                     original shape. The module holds it while the unit is SHARDED, so names, shapes and
+                     ``numel()`` stay right and reading values fails loudly instead of reading a shard.
+    master view      ``master_params[i]``: an ``nn.Parameter`` viewing the part of ``master`` that
+                     overlaps parameter i (1-D, possibly empty). The optimizer holds these.
+    flat grad        ``flat_grad``: 1-D, numel = padded_numel: the unsharded params' grads laid out like
+                     ``full`` (zeros for padding and for parameters that got no gradient). Transient:
+                     the input of the reduce-scatter.
+    grad shard       ``grad_shard``: 1-D, numel = S, ``grad_dtype`` (the compute dtype: bf16 under mixed
+                     precision, else the parameters' dtype): this rank's slice of the averaged gradient,
+                     kept between backward and the optimizer step.
+    master grad      ``master_grad``: the grad shard in the master's dtype, made for the optimizer step only
+                     (a view of the grad shard when the dtypes agree). Each master view's ``.grad`` views it.
+
+Why freeing storage keeps autograd valid: the unsharded params are views of ``full``. Autograd saves
+them (or views of them) for backward. ``free_storage`` shrinks the *same* storage object to 0 bytes
+and ``alloc_storage`` grows it back, so every saved reference points at valid memory again once the
+unit is re-gathered before its backward. Replacing ``full`` by a new tensor would silently break them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One original parameter inside a flat parameter."""
+
+    fqns: tuple[str, ...]  # every name it is registered under (tied params have several); [0] is canonical
+    shape: torch.Size
+    offset: int  # first element in the full buffer
+
+    @cached_property  # layouts never change: hooks ask for these sizes every step
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def name(self) -> str:
+        return self.fqns[0]
+
+
+@dataclass(frozen=True)
+class FlatParamLayout:
+    """Where each parameter of one (unit, dtype, requires_grad) group sits, and who owns which slice."""
+
+    unit: str
+    dtype: torch.dtype
+    requires_grad: bool
+    slots: tuple[ParamSlot, ...]
+    world_size: int
+
+    @staticmethod
+    def build(
+        unit: str,
+        dtype: torch.dtype,
+        requires_grad: bool,
+        params: list[tuple[tuple[str, ...], torch.Size]],
+        world_size: int,
+    ) -> FlatParamLayout:
+        slots, offset = [], 0
+        for fqns, shape in params:
+            slots.append(ParamSlot(fqns, torch.Size(shape), offset))
+            offset += torch.Size(shape).numel()
+        return FlatParamLayout(unit, dtype, requires_grad, tuple(slots), world_size)
+
+    @cached_property
+    def numel(self) -> int:
+        return sum(slot.numel for slot in self.slots)
+
+    @cached_property
+    def padded_numel(self) -> int:
+        # Padding to a multiple of the world size makes every shard the same length, which the
+        # all-gather and reduce-scatter require. At most world_size - 1 elements are padding.
+        n = self.numel
+        return n + (-n) % self.world_size
+
+    @cached_property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+    @property
+    def name(self) -> str:
+        kind = str(self.dtype).removeprefix("torch.")
+        return f"{self.unit}[{kind}{'' if self.requires_grad else ',frozen'}]"
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """``[start, end)`` of ``rank``'s shard in full-buffer coordinates."""
+        start = rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def slot_in_shard(self, slot: ParamSlot, rank: int) -> tuple[int, int]:
+        """``[lo, hi)`` of the part of ``slot`` inside ``rank``'s shard, in shard coordinates."""
+        start, end = self.shard_range(rank)
+        lo = min(max(slot.offset, start), end)
+        hi = max(min(slot.offset + slot.numel, end), lo)
+        return lo - start, hi - start
+
+    def padding_in_shard(self, rank: int) -> int:
+        """Padding elements inside ``rank``'s shard (the padding sits at the end of the full buffer)."""
+        start, end = self.shard_range(rank)
+        return max(0, end - max(self.numel, start))
+
+
+def alias(base: Tensor, offset: int, shape: torch.Size) -> Tensor:
+    """A contiguous view of ``base``'s storage at ``offset`` with its own autograd version counter.
+
+    The all-gather writes into ``full`` in place, which bumps ``full``'s version counter. A plain view
+    shares that counter, so autograd would see every tensor it saved from an unsharded param as
+    modified and refuse the backward. These writes only ever restore the values autograd saw.
+    """
+    out = torch.empty(0, dtype=base.dtype, device=base.device)
+    out.set_(base.untyped_storage(), base.storage_offset() + offset, shape, torch.empty(shape, device="meta").stride())
+    return out
+
+
+def free_storage(tensor: Tensor) -> None:
+    """Shrink ``tensor``'s storage to 0 bytes, keeping the storage object (see the note above)."""
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def alloc_storage(tensor: Tensor) -> None:
+    """Grow ``tensor``'s storage back to its full size; the values are undefined until written."""
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+def storage_is_allocated(tensor: Tensor) -> bool:
+    return tensor.untyped_storage().size() > 0
+
+
+class FlatParam:
+    """The tensors of one flat parameter on this rank (names as in [Note: shardlab tensors]).
+
+    dtypes: ``layout.dtype`` is the parameters' own dtype, which the master shard and the placeholders
+    keep; ``compute_dtype`` is what is gathered and computed with (bf16 under mixed precision, else the
+    same); ``reduce_dtype`` is what the reduce-scatter sums in; ``grad_dtype`` is what the grad shard
+    holds between steps (the compute dtype: 2 bytes per element under mixed precision, as the ZeRO table
+    counts; the optimizer reads an fp32 copy, ``master_grad``, that lives only until its step).
+    ``resident_full`` is True at stages 1-2 (``full`` always allocated, ``shard`` a view of it) and False at
+    stage 3 (``full`` exists only while gathered).
+    """
+
+    def __init__(
+        self,
+        layout: FlatParamLayout,
+        rank: int,
+        device: torch.device,
+        resident_full: bool,
+        compute_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.resident_full = resident_full
+        self.compute_dtype = compute_dtype or layout.dtype
+        self.grad_dtype = self.compute_dtype
+        # gradients are reduced in fp32 under mixed precision unless asked otherwise (the sum of N
+        # low-precision gradients would round N times)
+        self.reduce_dtype = reduce_dtype or layout.dtype
+        n, s = layout.padded_numel, layout.shard_numel
+        start, end = layout.shard_range(rank)
+        self.full: Tensor = torch.zeros(n, dtype=self.compute_dtype, device=device)  # 1-D, padded_numel
+        if self.gathers:
+            free_storage(self.full)  # stage 3: allocated only while gathered
+        if resident_full or layout.world_size == 1:
+            # World size 1: the shard is the whole buffer, so gathering needs no copy at all.
+            self.shard: Tensor = self.full[start:end]  # 1-D, S
+        else:
+            self.shard = torch.zeros(s, dtype=self.compute_dtype, device=device)  # 1-D, S
+        mixed = self.compute_dtype != layout.dtype
+        self.master: Tensor = torch.zeros(s, dtype=layout.dtype, device=device) if mixed else self.shard  # 1-D, S
+        self.grad_shard: Tensor | None = None  # 1-D, S, grad dtype; allocated by the first reduction
+        self.master_grad: Tensor | None = None  # 1-D, S, master dtype; mixed precision, only for a step
+        self.grads_shown = False  # the master views' .grad point at this gradient (see sharding/gradients.py)
+        self.unsharded_params: list[nn.Parameter] = [
+            nn.Parameter(alias(self.full, slot.offset, slot.shape), layout.requires_grad) for slot in layout.slots
+        ]
+        self.placeholders: list[nn.Parameter] = [
+            nn.Parameter(torch.empty(slot.shape, dtype=layout.dtype, device="meta"), layout.requires_grad)
+            for slot in layout.slots
+        ]
+        self.master_params: list[nn.Parameter] = []
+        for slot in layout.slots:
+            lo, hi = layout.slot_in_shard(slot, rank)
+            self.master_params.append(nn.Parameter(self.master[lo:hi], layout.requires_grad))
+
+    @property
+    def gathers(self) -> bool:
+        """Whether this flat parameter ever needs an all-gather to compute (stage 3 with world > 1)."""
+        return not self.resident_full and self.layout.world_size > 1
+
+    def flatten(self, values: list[Tensor]) -> Tensor:
+        """The parameters' values laid out like ``full``, in their own dtype (padding zero). 1-D, padded_numel."""
+        parts = [v.detach().reshape(-1).to(self.master.device, self.layout.dtype) for v in values]
+        if self.layout.padding:
+            parts.append(torch.zeros(self.layout.padding, dtype=self.layout.dtype, device=self.master.device))
+        return torch.cat(parts)
+
+    def load(self, flat: Tensor) -> None:
+        """Take this rank's slice of ``flat`` (from ``flatten``) as the master and compute shards."""
+        start, end = self.layout.shard_range(self.rank)
+        with torch.no_grad():
+            self.master.copy_(flat[start:end])
+            self.shard_from_master()
+            if self.resident_full:
+                self.full.copy_(flat)  # stages 1-2: the resident compute copy, whole
+
+    def shard_from_master(self) -> None:
+        """After an optimizer step in mixed precision: refresh the compute-dtype shard."""
+        if self.master is not self.shard:
+            with torch.no_grad():
+                self.shard.copy_(self.master)
+
+    def alloc_full(self) -> None:
+        alloc_storage(self.full)
+
+    def free_full(self) -> None:
+        if self.gathers:
+            free_storage(self.full)

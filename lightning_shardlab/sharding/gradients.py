@@ -1,0 +1,88 @@
+"""The grad shard's life cycle: accumulate reductions, show them to the optimizer, notice zero_grad.
+
+A flat parameter's grad shard (1-D, S, grad dtype) accumulates every reduce-scatter result since the
+user last cleared the gradients. The optimizer sees it through the master views' ``.grad``:
+
+- fp32 training: views of the grad shard itself (no copy);
+- mixed precision: views of ``master_grad``, an fp32 copy made when the gradients are shown and
+  dropped after the optimizer's step, so between steps only the 2-byte grad shard stays (DeepSpeed's
+  ledger: 2 B compute copy + 2 B gradient + 4 B master + 8 B moments).
+
+The user clears gradients through the master views (``zero_grad`` sets them to None, or zeroes them).
+Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_shardlab.sharding.flat_param import FlatParam
+
+
+def _slices(fp: FlatParam):  # noqa: ANN202
+    for slot, master in zip(fp.layout.slots, fp.master_params):
+        lo, hi = fp.layout.slot_in_shard(slot, fp.rank)
+        yield master, lo, hi
+
+
+def accumulate(fp: FlatParam, new: Tensor) -> None:
+    """grad shard += ``new`` (1-D, S, a reduce-scatter result), honouring what the user did since the last
+    ``show``: 1. drop parameters frozen since sharding  2. start afresh if every gradient was cleared
+    3. otherwise take the shown values back (the user may have zeroed or clipped them), zeroing cleared slices."""
+    for master, lo, hi in _slices(fp):
+        if not master.requires_grad:  # frozen after sharding (toggle_optimizer): its gradient is not wanted
+            new[lo:hi].zero_()
+    if fp.grad_shard is None:
+        fp.grad_shard = new.to(fp.grad_dtype)
+        return
+    if fp.grads_shown:
+        fp.grads_shown = False
+        visible = [m for m, lo, hi in _slices(fp) if hi > lo]
+        if all(m.grad is None for m in visible):
+            fp.grad_shard = new.to(fp.grad_dtype)
+            fp.master_grad = None
+            return
+        if fp.master_grad is not None:  # mixed precision: what the optimizer saw is the truth now
+            fp.grad_shard.copy_(fp.master_grad)
+        for master, lo, hi in _slices(fp):
+            if hi > lo and master.grad is None:
+                fp.grad_shard[lo:hi].zero_()
+    fp.grad_shard.add_(new)
+
+
+def show(fp: FlatParam, used: Tensor) -> None:
+    """Point each used, trainable parameter's master view ``.grad`` at its slice of the gradient."""
+    assert fp.grad_shard is not None, f"{fp.layout.name} has no grad shard"
+    source = fp.grad_shard
+    if fp.grad_dtype != fp.master.dtype:
+        fp.master_grad = fp.grad_shard.to(fp.master.dtype)  # 1-D, S: the optimizer's fp32 view, until its step
+        source = fp.master_grad
+    for i, (master, lo, hi) in enumerate(_slices(fp)):
+        if used[i] and master.requires_grad:  # not frozen by the user, e.g. toggle_optimizer()
+            if master.grad is None or master.grad.data_ptr() != source[lo:hi].data_ptr():
+                master.grad = source[lo:hi]
+    fp.grads_shown = True
+
+
+def release(fp: FlatParam) -> None:
+    """After an optimizer step in mixed precision: drop the fp32 copy (the grad shard stays)."""
+    if fp.master_grad is None:
+        return
+    for master, lo, hi in _slices(fp):
+        if master.grad is not None and master.grad.data_ptr() == fp.master_grad[lo:hi].data_ptr():
+            master.grad = None
+    fp.master_grad = None
+
+
+def flat_grad(fp: FlatParam) -> Tensor:
+    """The unsharded params' grads laid out like ``full`` in the reduce dtype; zeros where a parameter got
+    none, and for padding. 1-D, padded_numel. The input of the reduce-scatter."""
+    parts = []
+    for slot, param in zip(fp.layout.slots, fp.unsharded_params):
+        grad = param.grad
+        parts.append(grad.reshape(-1) if grad is not None else fp.full.new_zeros(slot.numel))
+    if fp.layout.padding:
+        parts.append(fp.full.new_zeros(fp.layout.padding))
+    flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return flat.to(fp.reduce_dtype)

@@ -1,0 +1,111 @@
+"""The hooks that drive a unit through a step, installed with torch's public hook APIs.
+
+    forward pre-hook    unshard; wrap the inputs so their backward announces the unit's post-backward
+    forward hook        reshard (stage 3); hook the outputs so their first gradient announces pre-backward
+    pre-backward        (first gradient reaching an output) unshard again, queue the end-of-backward callback
+    post-backward       (gradient reaching the inputs) reduce-scatter the unit's gradients, reshard
+    end of backward     finish every unit that got no post-backward, wait for reductions, attach grads
+
+The decisions (when to reduce, when to reshard) live in ``ShardedModel``; these functions only route
+the events to it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils import _pytree as pytree
+
+from lightning_shardlab.comm.labels import phase
+from lightning_shardlab.sharding.unit import TrainingState, Unit
+
+
+class Events(Protocol):
+    def pre_forward(self, unit: Unit) -> None: ...
+    def pre_backward(self, unit: Unit) -> None: ...
+    def post_backward(self, unit: Unit) -> None: ...
+    def reshard_after_forward(self, unit: Unit) -> bool: ...
+
+
+class PostBackward(torch.autograd.Function):
+    """Identity on the unit's inputs; its backward runs once the unit's whole backward has run.
+
+    Autograd runs a node after every node that produces its inputs' gradients, and runs the
+    parameters' AccumulateGrad nodes first, so by then every gradient of the unit has landed.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, *inputs: Tensor) -> tuple[Tensor, ...]:
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+class EndOfBackward:
+    """Queues ``finish`` to run once, when the autograd engine finishes the current backward."""
+
+    def __init__(self, finish: Any) -> None:
+        self._finish = finish
+        self.queued = False
+
+    def queue(self) -> None:
+        if not self.queued:
+            self.queued = True
+            Variable._execution_engine.queue_callback(self._run)
+
+    def _run(self) -> None:
+        self.queued = False
+        self._finish()
+
+
+def install(events: Events, unit: Unit) -> list[Any]:
+    """Hook ``unit.module``; returns the handles (``handle.remove()`` undoes it)."""
+    return [
+        unit.module.register_forward_pre_hook(functools.partial(_pre_forward, events, unit), with_kwargs=True),
+        unit.module.register_forward_hook(functools.partial(_post_forward, events, unit)),
+    ]
+
+
+def hook_pre_backward(events: Events, unit: Unit, tensors: Any) -> None:
+    """Announce ``unit``'s pre-backward when the first gradient reaches any tensor in ``tensors``."""
+    leaves = [t for t in pytree.tree_leaves(tensors) if isinstance(t, Tensor) and t.requires_grad]
+    if leaves:
+        register_multi_grad_hook(leaves, lambda _grad: events.pre_backward(unit), mode="any")
+
+
+def _pre_forward(events: Events, unit: Unit, module: Any, args: tuple, kwargs: dict) -> Any:
+    if (
+        unit.training is TrainingState.BACKWARD
+    ):  # forward recomputed inside backward (activation checkpointing): already gathered
+        return None
+    with phase("pre_forward", unit.name):
+        events.pre_forward(unit)
+    if unit.is_root or not (torch.is_grad_enabled() and unit.grad_flat_params):
+        return None  # the root's post-backward runs at the end of backward: its params serve the whole step
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    idx = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.requires_grad]
+    if not idx:
+        return None  # nothing upstream needs gradients: the end-of-backward callback finishes this unit
+    outs = PostBackward.apply(lambda: events.post_backward(unit), *(flat[i] for i in idx))
+    for i, out in zip(idx, outs):
+        flat[i] = out
+    return pytree.tree_unflatten(flat, spec)
+
+
+def _post_forward(events: Events, unit: Unit, module: Any, args: tuple, output: Any) -> None:
+    if unit.training is TrainingState.BACKWARD:
+        return
+    with phase("post_forward", unit.name):
+        if events.reshard_after_forward(unit):
+            unit.reshard()
+    if torch.is_grad_enabled():
+        hook_pre_backward(events, unit, output)

@@ -1,0 +1,142 @@
+"""Which modules become units, and which unit owns each parameter.
+
+A unit is gathered, computed and freed as one piece, so every rank must run it in each step or none
+may. The default gives transformer-style models one unit per repeated block: every child of the
+outermost ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` whose children (two or more) share
+one class and own parameters, when the code shows that every forward runs all of them (sharding/iteration.py).
+Blocks whose execution may depend on the data (mixture-of-experts experts, a list indexed by the
+step) stay inside the enclosing unit. ``unit_classes`` replaces all that with "every module of these
+classes", the user's word. The root module is always a unit and owns whatever no other unit owns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lightning_shardlab.config import ShardLabConfig
+from lightning_shardlab.sharding.flat_param import FlatParamLayout
+from lightning_shardlab.sharding.iteration import always_runs_every_block
+
+
+@dataclass
+class ParamUse:
+    """One parameter object and every place it is registered (tied parameters have several)."""
+
+    param: nn.Parameter
+    fqns: list[str]
+
+    @property
+    def module_paths(self) -> list[str]:
+        return [fqn.rpartition(".")[0] for fqn in self.fqns]
+
+
+def param_uses(root: nn.Module) -> list[ParamUse]:
+    """Every distinct parameter of ``root`` with all its names, in ``named_parameters()`` order."""
+    uses: dict[int, ParamUse] = {}
+    for fqn, param in root.named_parameters(remove_duplicate=False):
+        uses.setdefault(id(param), ParamUse(param, [])).fqns.append(fqn)
+    return list(uses.values())
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+@dataclass
+class UnitChoice:
+    """The units' module paths (the root "" first, then in ``named_modules()`` order), and the containers
+    of repeated blocks the default policy left whole because nothing shows every forward runs them all."""
+
+    paths: list[str]
+    declined: list[str] = field(default_factory=list)
+
+
+def _repeated_blocks(root: nn.Module) -> UnitChoice:
+    """The children of the outermost containers of two or more same-class blocks that every forward runs
+    (sharding/iteration.py); containers without that evidence are declined, and nothing inside them is a unit."""
+    choice = UnitChoice([])
+
+    def visit(module: nn.Module, path: str) -> None:
+        children = list(module.named_children())
+        if isinstance(module, CONTAINERS) and len(children) >= 2:
+            kinds = {type(child) for _, child in children}
+            if len(kinds) == 1 and all(_numel(child) > 0 for _, child in children):
+                if always_runs_every_block(root, path):
+                    choice.paths.extend(f"{path}.{name}" if path else name for name, _ in children)
+                else:
+                    choice.declined.append(path)
+                return
+        for name, child in children:
+            visit(child, f"{path}.{name}" if path else name)
+
+    visit(root, "")
+    return choice
+
+
+def choose_units(root: nn.Module, config: ShardLabConfig) -> UnitChoice:
+    """The units: every module of ``config.unit_classes`` (the user's word), else the default policy."""
+    if config.unit_types:
+        choice = UnitChoice([path for path, m in root.named_modules() if path and isinstance(m, config.unit_types)])
+    else:
+        choice = _repeated_blocks(root)
+    big_enough = [p for p in choice.paths if _numel(root.get_submodule(p)) >= max(config.min_unit_params, 1)]
+    return UnitChoice([""] + big_enough, choice.declined)
+
+
+def _is_within(path: str, unit_path: str) -> bool:
+    return unit_path == "" or path == unit_path or path.startswith(unit_path + ".")
+
+
+def owning_unit(use: ParamUse, unit_paths: list[str]) -> str:
+    """The deepest unit that contains every module using the parameter (their lowest common unit)."""
+    candidates = [u for u in unit_paths if all(_is_within(m, u) for m in use.module_paths)]
+    return max(candidates, key=lambda u: (u.count(".") + 1) if u else 0)
+
+
+def group_flat_params(unit: str, uses: list[ParamUse], world_size: int) -> list[tuple[FlatParamLayout, list[ParamUse]]]:
+    """One flat parameter per (dtype, requires_grad) group of a unit's parameters, in first-appearance order."""
+    groups: dict[tuple[torch.dtype, bool], list[ParamUse]] = {}
+    for use in uses:
+        groups.setdefault((use.param.dtype, use.param.requires_grad), []).append(use)
+    return [
+        (
+            FlatParamLayout.build(
+                unit or "root", dtype, rg, [(tuple(u.fqns), u.param.shape) for u in group], world_size
+            ),
+            group,
+        )
+        for (dtype, rg), group in groups.items()
+    ]
+
+
+@dataclass
+class UnitPlan:
+    """Everything sharding decides before any tensor moves: pure, so it works on a meta-device model and for a
+    world that does not exist (``shardlab plan``)."""
+
+    choice: UnitChoice
+    uses: list[ParamUse]
+    owners: dict[int, str]  # id(parameter) -> the path of the unit that owns it
+    groups: dict[str, list[tuple[FlatParamLayout, list[ParamUse]]]]  # unit path -> its flat parameters
+
+    def layouts(self) -> dict[str, list[FlatParamLayout]]:
+        """The flat-parameter layouts of every unit that has parameters (and the root)."""
+        return {path or "root": [lay for lay, _ in g] for path, g in self.groups.items() if g or not path}
+
+
+def plan_units(root: nn.Module, config: ShardLabConfig, world_size: int) -> UnitPlan:
+    """The units, which unit owns each parameter, and each unit's flat parameters at ``world_size``."""
+    uses = param_uses(root)
+    choice = choose_units(root, config)
+    owners = {id(use.param): owning_unit(use, choice.paths) for use in uses}
+    groups = {
+        path: group_flat_params(path, [u for u in uses if owners[id(u.param)] == path], world_size)
+        for path in choice.paths
+    }
+    return UnitPlan(choice, uses, owners, groups)

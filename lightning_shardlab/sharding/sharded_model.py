@@ -1,0 +1,457 @@
+"""``shard_model(module, config, comm)``: turn a module into units of flat parameters, in place.
+
+The module keeps its class and its parameter names; each name is pointed at a placeholder (stage 3
+at rest) or an unsharded param (computing, or stages 1-2). The returned ``ShardedModel`` is the
+handle that holds the units and decides, on each hook event, when to gather, reduce and free.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_shardlab.comm import collectives
+from lightning_shardlab.comm.collectives import Comm
+from lightning_shardlab.comm.labels import phase
+from lightning_shardlab.config import PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.sharding import divergent_units, gradients, hooks
+from lightning_shardlab.sharding.flat_param import FlatParam, FlatParamLayout
+from lightning_shardlab.sharding.materialize import has_meta, materialize
+from lightning_shardlab.sharding.policy import ParamUse, plan_units
+from lightning_shardlab.sharding.unit import Registration, TrainingState, Unit, UnitState
+from lightning_shardlab.sharding.usage import UsageAgreement
+
+TRANSPORT_PROBE_NUMEL = 8 * 2**20  # the transports are timed on the biggest flat parameter, up to this size
+MAX_REDUCTIONS_IN_FLIGHT = 1  # more overlap more, but each holds its unit's whole flat gradient alive
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, ShardedModel] = weakref.WeakKeyDictionary()
+
+
+class ShardedModel:
+    """The units of one sharded module and the rules that drive them through a step."""
+
+    def __init__(
+        self, module: nn.Module, units: list[Unit], config: ShardLabConfig, comm: Comm, policy: PrecisionPolicy
+    ) -> None:
+        self.module = module
+        self.units = units  # root first, then in named_modules() order
+        self.config = config
+        self.comm = comm
+        self.policy = policy
+        self.averages: Any = None  # averaged weights (averages.Averages), kept while ShardLabEMA runs
+        # called with (unit, flat param, flat grad) for each reduction, before the grads are averaged
+        self.grad_observers: list[Callable[[Unit, FlatParam, Tensor], None]] = []
+        self._sync = True  # reduce gradients in this backward (False inside no_sync())
+        self._show = True  # show reduced gradients to the optimizer (False inside accumulating())
+        self._root_held = False  # the strategy keeps the root gathered for a whole step
+        self._end_of_backward = hooks.EndOfBackward(self._finish_backward)
+        self._warned_unused: set[str] = set()
+        self._in_flight: list[Unit] = []  # units whose reduce-scatters are launched, oldest first
+        self._order: list[Unit] = []  # non-root units in the order their forward ran, this step
+        self._last_order: list[Unit] = []  # ... and last step: what forward prefetching follows
+        # benchmarks/ only: leave the refresh after an optimizer step in flight until each unit's next
+        # forward (weights read between steps are then stale); measures what refresh()'s wait costs
+        self._overlap_refresh = False
+
+    @property
+    def root(self) -> Unit:
+        return self.units[0]
+
+    @property
+    def flat_params(self) -> list[FlatParam]:
+        return [fp for unit in self.units for fp in unit.flat_params]
+
+    def at_rest(self, fp: FlatParam) -> list[nn.Parameter]:
+        """The objects the module holds between steps: what ``configure_optimizers`` sees."""
+        return fp.placeholders if self.config.stage is Stage.PARAMETERS else fp.unsharded_params
+
+    def master_params_by_id(self) -> dict[int, tuple[str, nn.Parameter, FlatParam]]:
+        """id(at-rest param) -> (name, master view, its flat param)."""
+        out = {}
+        for fp in self.flat_params:
+            for slot, rest, master in zip(fp.layout.slots, self.at_rest(fp), fp.master_params):
+                out[id(rest)] = (slot.name, master, fp)
+        return out
+
+    # ---- the events sharding/hooks.py routes here ----
+
+    def reshard_after_forward(self, unit: Unit) -> bool:
+        if unit.is_root:
+            return not torch.is_grad_enabled() and not self._root_held
+        if not torch.is_grad_enabled():
+            return True
+        # the unit that ran forward last (last step) is the first backward needs: keep it gathered
+        last = self._last_order[-1] if self._last_order else None
+        return self.config.reshard_after_forward and unit is not last
+
+    def pre_forward(self, unit: Unit) -> None:
+        """Gather ``unit`` (its prefetch may be in flight already) and prefetch the unit that ran after it
+        last step; remember this step's order for backward."""
+        if unit.state is UnitState.SUMMONED:
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"[rank {self.comm.rank}] unit {unit.name!r} ran forward with gradients enabled inside"
+                    " gathered_params(); its full copies are not trained. HINT: run it under torch.no_grad(), or"
+                    " after the `with` block."
+                )
+            return
+        unit.unshard()
+        if unit.is_root:
+            return
+        self._order.append(unit)
+        self._prefetch_after(unit, self._last_order)
+
+    def pre_backward(self, unit: Unit) -> None:
+        self._end_of_backward.queue()
+        with phase("pre_backward", unit.name):
+            unit.unshard()
+            if not unit.is_root:
+                self._prefetch_after(unit, self._order[::-1])  # backward runs the forward order backwards
+        unit.training = TrainingState.BACKWARD
+
+    def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
+        if self.config.stage is not Stage.PARAMETERS or unit not in order:
+            return
+        i = order.index(unit)
+        if i + 1 < len(order):
+            order[i + 1].prefetch()
+
+    def wait_gathers(self) -> None:
+        """Wait for every all-gather in flight (before reading or overwriting full buffers or shards)."""
+        for unit in self.units:
+            unit.wait_gathers()
+
+    def post_backward(self, unit: Unit) -> None:
+        if unit.training is not TrainingState.BACKWARD:
+            return
+        unit.training = TrainingState.IDLE  # post-backward moves it on: GRADS_PENDING, then REDUCING
+        with phase("post_backward", unit.name):
+            if unit.grad_flat_params:
+                unit.collect_usage()
+                if self._sync and self.config.stage >= Stage.GRADIENTS:
+                    self._reduce(unit)
+            if not (unit.is_root and self._root_held):
+                unit.reshard()
+
+    def _reduce(self, unit: Unit) -> None:
+        """Launch ``unit``'s reduce-scatters; to bound memory, first wait for all but the newest in flight:
+        each keeps a flat gradient alive (backward goes on computing while the newest reduces). Stage 1
+        holds every full gradient until the end of backward anyway, so there all may fly at once."""
+        limit = len(self.units) if self.config.stage is Stage.OPTIMIZER else MAX_REDUCTIONS_IN_FLIGHT
+        while len(self._in_flight) >= limit:
+            self._in_flight.pop(0).wait_reductions()
+        for fp, flat in unit.reduce_grads(async_op=True):
+            for observe in self.grad_observers:  # e.g. the vital signs: this rank's own gradient norm
+                observe(unit, fp, flat)
+        self._in_flight.append(unit)
+
+    def _finish_backward(self) -> None:
+        """End of backward: 1. finish units with no post-backward  2. reduce the rest, and launch the agreement
+        on which parameters were used (sharding/usage.py)  3. wait, attach grads."""
+        for unit in reversed(self.units):
+            if unit.training is TrainingState.BACKWARD:
+                self.post_backward(unit)
+        if self._sync:
+            pending = [u for u in self.units if u.training in (TrainingState.GRADS_PENDING, TrainingState.REDUCING)]
+            for unit in reversed(pending):
+                if unit.training is TrainingState.GRADS_PENDING:
+                    self._reduce(unit)
+            usage = (
+                UsageAgreement.launch(pending, self.comm, self.config.find_unused_parameters, self._warned_unused)
+                if self._show
+                else None
+            )  # travels with the reductions
+            while self._in_flight:
+                self._in_flight.pop(0).wait_reductions()
+            if usage is not None:
+                for unit, used in zip(pending, usage.result()):
+                    unit.show_grads(used)
+            else:
+                for unit in pending:
+                    unit.end_reduction()
+        for unit in self.units:
+            if not (unit.is_root and self._root_held):
+                unit.reshard()
+
+    # ---- what the strategy (or a plain training loop) calls ----
+
+    @contextmanager
+    def step(self, keep_root_gathered: bool) -> Iterator[None]:
+        """Keep the root unit gathered for one step (its parameters are used anywhere in the step), and
+        start gathering the unit that ran first last step."""
+        self._last_order, self._order = self._order or self._last_order, []
+        self.root.unshard()
+        if self._last_order and self.config.stage is Stage.PARAMETERS:
+            self._last_order[0].prefetch()
+        self._root_held = True
+        try:
+            yield
+        finally:
+            self._root_held = False
+            if not keep_root_gathered:
+                self.root.reshard()
+
+    def verify_collectives(self) -> None:
+        """From now on every collective of this model's ``Comm`` is checked on every rank before its data is
+        used (comm/verify.py); a mismatch at a unit's collective names the unit and the fix. Collective (every rank)."""
+        limit = max(
+            (
+                fp.layout.shard_numel * max(d.itemsize for d in (fp.compute_dtype, fp.reduce_dtype, fp.master.dtype))
+                for fp in self.flat_params
+            ),
+            default=0,
+        )  # bytes: the largest shard any call may send
+        limit = max(limit, collectives.MIN_LIMIT)
+        headers = collectives.enable_verification(self.comm, limit, builtin=self.config.transport == "builtin")
+        if headers is None:
+            return
+        names = [fp.layout.name for fp in self.flat_params]
+        headers.know(*names, *(f"{what} {n}" for n in names for what in ("state_dict", "optimizer state")))
+        units = {fp.layout.name: unit.module_path for unit in self.units for fp in unit.flat_params}
+        headers.explain = functools.partial(divergent_units.explain, self.module, units, bool(self.config.unit_types))
+
+    def broadcast_buffers(self) -> None:
+        """Give every rank rank 0's buffers: one broadcast per buffer dtype (DDP's broadcast_buffers)."""
+        _broadcast_buffers(self.module, self.comm, label="buffers")
+
+    def prepare_backward(self, loss: Tensor) -> None:
+        """Announce the root's pre-backward when backward starts from ``loss``."""
+        hooks.hook_pre_backward(self, self.root, loss)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside keep full gradients instead of reducing them (deferred accumulation)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backward passes inside reduce into the grad shards but do not show them to the optimizer yet:
+        no optimizer step follows (a micro-batch that does not end a step)."""
+        previous, self._show = self._show, False
+        try:
+            yield
+        finally:
+            self._show = previous
+
+    def skip_step(self) -> None:
+        """The optimizer step is skipped (fp16 loss-scale overflow): drop this step's gradients, as a step would."""
+        for fp in self.flat_params:
+            gradients.release(fp)
+
+    def after_optimizer_step(self, stepped: set[FlatParam]) -> None:
+        """Bring the compute copies up to date with the master shards an optimizer just updated."""
+        self.wait_gathers()  # nothing may still be sending a shard the step changed
+        for unit in self.units:
+            if unit.state is UnitState.PREFETCHED:  # gathered before the step: stale now
+                unit.reshard()
+        for fp in stepped:
+            gradients.release(fp)
+        self.refresh(stepped)
+        if not self._root_held:
+            self.root.reshard()
+
+    def refresh(self, changed: set[FlatParam]) -> None:
+        """After the master shards of ``changed`` changed (an optimizer step, a load, a writeback): refresh
+        their compute shards, re-gather the full buffers that are resident (stages 1-2) or gathered now,
+        and wait, so that weights are current on every rank whenever user code can run next (a callback
+        in ``on_train_batch_end`` reads them). The all-gathers of all units travel together."""
+        for fp in changed:
+            fp.shard_from_master()
+        for unit in self.units:
+            unit.launch_refresh(changed)
+        if self._overlap_refresh:  # benchmarks only: what waiting here costs
+            self.root.wait_gathers()
+        else:
+            self.wait_gathers()
+
+    def gather_full(self, fp: FlatParam, shard: Tensor | None = None) -> Tensor:
+        """Collective: the full values of ``fp`` in master precision (1-D, padded_numel), on every rank;
+        of ``shard`` (1-D, S, e.g. its average) in place of the master shard if given."""
+        self.wait_gathers()
+        shard = fp.master if shard is None else shard
+        if shard is fp.shard and (fp.resident_full or fp.layout.world_size == 1):
+            return fp.full
+        out = torch.empty(fp.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        collectives.all_gather(out, shard, self.comm, label=f"state_dict {fp.layout.name}")
+        return out
+
+
+def sharded_model_of(trainer: Any, required_by: str | None = None) -> ShardedModel | None:
+    """The sharded model of ``trainer``: None under another strategy (or before setup), unless ``required_by``
+    names who needs it, then a clear error. The strategy imports the callbacks, not the other way round, so
+    they find the model through the trainer."""
+    sharded = getattr(trainer.strategy, "sharded", None)
+    if isinstance(sharded, ShardedModel) or required_by is None:
+        return sharded if isinstance(sharded, ShardedModel) else None
+    raise ValueError(
+        f"{required_by} needs the shardlab strategy, got {type(trainer.strategy).__name__}. HINT: pass"
+        " strategy=ShardLabStrategy(...) (or 'shardlab') to the Trainer."
+    )
+
+
+def shard_model(
+    module: nn.Module, config: ShardLabConfig, comm: Comm, policy: PrecisionPolicy | None = None
+) -> ShardedModel:
+    """Shard ``module`` in place and install its hooks. Every rank must call it (it communicates).
+
+    Order: 1. choose units and lay out flat params  2. check all ranks built the same layout
+    3. broadcast rank 0's initial values  4. point the module at placeholders / unsharded params.
+    """
+    policy = policy or PrecisionPolicy()
+    existing = _SHARDED.get(module)
+    if existing is not None:
+        if existing.config == config and existing.policy == policy and existing.comm.world_size == comm.world_size:
+            existing.wait_gathers()
+            return existing
+        raise ValueError(
+            f"{type(module).__name__} is already sharded (stage {int(existing.config.stage)}, world size"
+            f" {existing.comm.world_size}). HINT: create a fresh module, or reuse the same strategy options."
+        )
+    plan = plan_units(module, config, comm.world_size)
+    unit_paths, groups = plan.choice.paths, plan.groups
+    if plan.choice.declined and comm.rank == 0:
+        _warn_declined(module, plan.choice.declined)
+    _check_same_layout(module, plan.uses, plan.owners, comm)
+    flat = {path: [_new_flat_param(layout, config, comm, policy) for layout, _ in g] for path, g in groups.items()}
+    biggest = max((fp for fps in flat.values() for fp in fps), key=lambda fp: fp.layout.padded_numel, default=None)
+    if biggest is not None:
+        numel = min(biggest.layout.padded_numel, TRANSPORT_PROBE_NUMEL)
+        comm.transport_times = collectives.choose_transports(comm, numel, biggest.compute_dtype, config.transport)
+    pairs = [(fp, group) for path in unit_paths for fp, (_, group) in zip(flat[path], groups[path])]
+    load = functools.partial(_load_from_rank_0, comm=comm)
+    if has_meta(module):
+        materialize(module, pairs, comm.device, load)
+    else:
+        for fp, group in pairs:
+            load(fp, [u.param for u in group])
+    units = [
+        Unit(
+            path,
+            module.get_submodule(path),
+            flat[path],
+            [[[_place(module, fqn) for fqn in u.fqns] for u in group] for _, group in groups[path]],
+            comm,
+            reshard_at_rest=config.stage is Stage.PARAMETERS,
+        )
+        for path in unit_paths
+        if flat[path] or not path
+    ]
+    _broadcast_buffers(module, comm, label="setup buffers")
+    sharded = ShardedModel(module, units, config, comm, policy)
+    for unit in units:
+        hooks.install(sharded, unit)
+    module.register_state_dict_post_hook(_refuse_placeholders)
+    _SHARDED[module] = sharded
+    return sharded
+
+
+def _warn_declined(module: nn.Module, declined: list[str]) -> None:
+    kinds = sorted({type(next(module.get_submodule(path).children())).__name__ for path in declined})
+    warnings.warn(
+        f"the repeated blocks in {', '.join(map(repr, declined))} ({', '.join(kinds)}) are not made units: nothing"
+        " shows that every forward runs all of them (experts of a mixture-of-experts layer, a block chosen by the"
+        " step), so they stay in the enclosing unit, gathered whole on every rank. HINT: if every rank always runs"
+        " every one of them, name their class in unit_classes=[...] to shard them one by one.",
+        stacklevel=3,
+    )
+
+
+def _new_flat_param(layout: FlatParamLayout, config: ShardLabConfig, comm: Comm, policy: PrecisionPolicy) -> FlatParam:
+    return FlatParam(
+        layout,
+        comm.rank,
+        comm.device,
+        resident_full=config.stage is not Stage.PARAMETERS,
+        compute_dtype=policy.compute_for(layout.dtype),
+        reduce_dtype=policy.reduce_dtype,
+    )
+
+
+def _load_from_rank_0(fp: FlatParam, values: list[Tensor], comm: Comm) -> None:
+    """Every rank takes rank 0's values: lay them out, broadcast, keep this rank's shard."""
+    flat = fp.flatten(values)  # 1-D, padded_numel
+    collectives.broadcast(flat, comm, src=0, label=f"setup {fp.layout.name}")
+    fp.load(flat)
+
+
+def _place(root: nn.Module, fqn: str) -> Registration:
+    path, _, attr = fqn.rpartition(".")
+    return root.get_submodule(path), attr
+
+
+def _broadcast_buffers(module: nn.Module, comm: Comm, label: str) -> None:
+    """Coalesced: the buffers of each dtype travel as one flat tensor."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for buf in module.buffers():
+        by_dtype.setdefault(buf.dtype, []).append(buf)
+    with torch.no_grad():
+        for dtype, bufs in by_dtype.items():
+            flat = torch.cat([b.reshape(-1) for b in bufs]).to(comm.device)
+            collectives.broadcast(flat, comm, src=0, label=f"{label} {str(dtype).removeprefix('torch.')}")
+            for buf, value in zip(bufs, flat.split([b.numel() for b in bufs])):
+                buf.copy_(value.view_as(buf))
+
+
+def _check_same_layout(module: nn.Module, uses: list[ParamUse], owners: dict[int, str], comm: Comm) -> None:
+    """Raise on every rank, naming the first difference, unless all ranks built the same layout."""
+    mine = [
+        (
+            "parameter",
+            u.fqns[0],
+            tuple(u.param.shape),
+            str(u.param.dtype),
+            u.param.requires_grad,
+            f"unit {owners[id(u.param)] or 'root'}",
+        )
+        for u in uses
+    ]
+    mine += [("buffer", name, tuple(b.shape), str(b.dtype)) for name, b in module.named_buffers()]
+    everyone = collectives.all_gather_object(mine, comm, label="layout check")
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs == reference:
+            continue
+        for i in range(max(len(theirs), len(reference))):
+            a = reference[i] if i < len(reference) else "nothing"
+            b = theirs[i] if i < len(theirs) else "nothing"
+            if a != b:
+                raise ValueError(
+                    f"[rank {comm.rank}] the model differs across ranks: entry {i} is {a} on rank 0 but {b} on rank"
+                    f" {rank}. HINT: build the same model (same classes, shapes, dtypes, requires_grad) on every rank."
+                )
+
+
+def _refuse_placeholders(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    if not _collecting_full_state.active and any(isinstance(v, Tensor) and v.is_meta for v in state_dict.values()):
+        raise RuntimeError(
+            f"{type(module).__name__}.state_dict() was called while its parameters are sharded (stage 3): each"
+            " rank holds only a slice. HINT: call trainer.strategy.full_state_dict() on every rank (rank 0 gets the"
+            " whole model), or save a checkpoint with trainer.save_checkpoint()."
+        )
+
+
+class _CollectingFullState:
+    active = False
+
+
+_collecting_full_state = _CollectingFullState()
+
+
+@contextmanager
+def placeholders_allowed() -> Iterator[None]:
+    """Let ``module.state_dict(keep_vars=True)`` list placeholders (to learn its keys)."""
+    previous, _collecting_full_state.active = _collecting_full_state.active, True
+    try:
+        yield
+    finally:
+        _collecting_full_state.active = previous

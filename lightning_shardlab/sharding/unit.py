@@ -1,0 +1,234 @@
+"""One unit's state machines: where its parameters are, and where its gradients are (``Unit``).
+
+A unit owns one flat parameter per (dtype, requires_grad) group of its parameters. ``unshard``
+all-gathers each and points the module's attributes at the unsharded params; ``reshard`` points them
+back at the placeholders and frees the full buffers. ``reduce_grads`` turns the unsharded params'
+gradients into this rank's averaged grad shard. Tensor names: [Note: shardlab tensors] in sharding/flat_param.py.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import Tensor, nn
+
+from lightning_shardlab.comm import collectives
+from lightning_shardlab.comm.collectives import Comm, Pending
+from lightning_shardlab.sharding import gradients
+from lightning_shardlab.sharding.flat_param import FlatParam, storage_is_allocated
+
+
+class UnitState(Enum):
+    """Where a unit's parameters are: what its module holds, and whether the full buffers hold values."""
+
+    SHARDED = "sharded"  # the module holds placeholders (stage 3 at rest); full buffers freed or in flight
+    PREFETCHED = "prefetched"  # still placeholders, but the full buffers hold gathered values, ready to use
+    UNSHARDED = "unsharded"  # the module holds the unsharded params, views of the full buffers
+    SUMMONED = "summoned"  # the module holds full master-precision copies for the user (gathered.py)
+
+
+class TrainingState(Enum):
+    """Where a unit is in backward and in the reduction of its gradients."""
+
+    IDLE = "idle"  # no gradients since the last reduction
+    BACKWARD = "backward"  # between this unit's pre-backward and post-backward
+    GRADS_PENDING = "grads pending"  # gradients collected (accumulating across micro-batches), not reduced yet
+    REDUCING = "reducing"  # reduce-scatters launched in this backward; shown to the optimizer at its end
+
+
+Registration = tuple[nn.Module, str]  # (module, attribute name) a parameter is registered under
+
+
+class Unit:
+    """One unit: a module whose parameters are gathered, freed and reduced together.
+
+    Two explicit states drive it. ``state`` (``UnitState``) says where the parameters are: SHARDED ->
+    (prefetch, wait) PREFETCHED -> UNSHARDED -> (reshard) SHARDED at stage 3; UNSHARDED for good at stages 1-2;
+    SUMMONED while the user holds full copies. ``training`` (``TrainingState``) says where its gradients are:
+    IDLE -> BACKWARD (pre-backward) -> GRADS_PENDING (post-backward) -> REDUCING (reduce-scatters launched) ->
+    IDLE (the reduced gradients are shown to the optimizer). The sharded model moves both; every collective
+    the unit launches goes through ``comm``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        flat_params: list[FlatParam],
+        registrations: list[list[list[Registration]]],  # [flat param][slot] -> places
+        comm: Comm,
+        reshard_at_rest: bool,
+    ) -> None:
+        self.name = name or "root"
+        self.module_path = name  # "" for the root
+        self.is_root = not name
+        self.module = module
+        self.flat_params = flat_params
+        self.registrations = registrations
+        self.comm = comm
+        # Stage 3 shards parameters at rest; stages 1-2 keep every unit UNSHARDED for good.
+        self.reshard_at_rest = reshard_at_rest
+        self.state = UnitState.SHARDED if reshard_at_rest else UnitState.UNSHARDED
+        self._register([fp.placeholders if reshard_at_rest else fp.unsharded_params for fp in flat_params])
+        self.training = TrainingState.IDLE
+        # [flat param] -> 1-D bool, numel = number of slots: got a gradient since the last reduction
+        self.used = [torch.zeros(len(fp.layout.slots), dtype=torch.bool) for fp in self.grad_flat_params]
+        self._pending: list[tuple[FlatParam, Tensor, Tensor, Pending]] = []  # (fp, flat grad, new shard, work)
+        self._gathering: list[Pending] = []  # all-gathers in flight into the full buffers
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name}, {self.state.value}, {self.training.value}, {len(self.flat_params)} flat params)"
+
+    # ---- SHARDED <-> UNSHARDED ----
+
+    def _expect(self, state: UnitState, action: str) -> None:
+        if self.state is not state:
+            raise RuntimeError(
+                f"[rank {self.comm.rank}] cannot {action} unit {self.name!r}: it is {self.state.value}, "
+                f"expected {state.value}."
+            )
+
+    def prefetch(self) -> None:
+        """Stage 3: launch this unit's all-gathers now, so they travel while the unit before it computes."""
+        if self.state is UnitState.SHARDED and not self._gathering:
+            for fp in self.flat_params:
+                if fp.gathers:
+                    fp.alloc_full()
+                    self.comm.ledger.track_gathered(fp.full.untyped_storage().nbytes())
+                    self._gathering.append(
+                        collectives.all_gather(fp.full, fp.shard, self.comm, label=fp.layout.name, async_op=True)
+                    )
+
+    def wait_gathers(self) -> None:
+        """Wait for this unit's all-gathers in flight (a prefetch, or the refresh after an optimizer step)."""
+        if self._gathering and self.state is UnitState.SHARDED:
+            self.state = UnitState.PREFETCHED  # the full buffers hold the gathered values, not yet in use
+        while self._gathering:
+            self._gathering.pop(0).wait()
+
+    def unshard(self) -> None:
+        """All-gather every flat parameter (unless prefetched) and point the module at the unsharded params."""
+        self.wait_gathers()
+        if self.state not in (UnitState.SHARDED, UnitState.PREFETCHED):
+            return
+        self.prefetch()
+        self.wait_gathers()
+        self._register([fp.unsharded_params for fp in self.flat_params])
+        self.state = UnitState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Point the module at the placeholders and free the full buffers (stage 3 only); also drops a
+        prefetch that was not used."""
+        if not self.reshard_at_rest or self.state is UnitState.SUMMONED:
+            return
+        self.wait_gathers()
+        if self.state is UnitState.UNSHARDED:
+            self._register([fp.placeholders for fp in self.flat_params])
+        self.state = UnitState.SHARDED
+        for fp in self.flat_params:
+            if fp.gathers and storage_is_allocated(fp.full):
+                self.comm.ledger.track_gathered(-fp.full.untyped_storage().nbytes())
+                fp.free_full()
+
+    def _register(self, params_per_fp: list[list[nn.Parameter]]) -> None:
+        # Writing ``_parameters`` directly swaps the object a name refers to without nn.Module's
+        # __setattr__ bookkeeping; names and their order never change.
+        for places_per_slot, params in zip(self.registrations, params_per_fp):
+            for places, param in zip(places_per_slot, params):
+                for module, attr in places:
+                    module._parameters[attr] = param
+
+    # ---- gradients ----
+
+    @property
+    def grad_flat_params(self) -> list[FlatParam]:
+        return [fp for fp in self.flat_params if fp.layout.requires_grad]
+
+    def collect_usage(self) -> None:
+        """Note which parameters got a gradient in this backward (their grads stay where they are)."""
+        for fp in self.flat_params:
+            if fp.layout.requires_grad:
+                continue
+            for slot, param in zip(fp.layout.slots, fp.unsharded_params):
+                if param.grad is not None:
+                    raise RuntimeError(
+                        f"[rank {self.comm.rank}] parameter {slot.name!r} was frozen when the model was sharded"
+                        " but got a gradient. HINT: set requires_grad before trainer.fit(), or keep it trainable"
+                        " and leave it out of the optimizer."
+                    )
+        for fp, used in zip(self.grad_flat_params, self.used):
+            for i, param in enumerate(fp.unsharded_params):
+                if param.grad is not None:
+                    used[i] = True
+        self.training = TrainingState.GRADS_PENDING
+
+    def reduce_grads(self, async_op: bool = True) -> list[tuple[FlatParam, Tensor]]:
+        """1. lay the unsharded grads out as the flat grad  2. launch its reduce-scatter  3. drop the grads.
+        Returns each flat parameter with its flat grad: this rank's own gradient, before the reduction."""
+        launched = []
+        for fp in self.grad_flat_params:
+            flat = gradients.flat_grad(fp)  # 1-D, padded_numel, reduce dtype
+            new_shard = torch.empty(fp.layout.shard_numel, dtype=flat.dtype, device=flat.device)  # 1-D, S
+            pending = collectives.reduce_scatter(new_shard, flat, self.comm, label=fp.layout.name, async_op=True)
+            self._pending.append((fp, flat, new_shard, pending))
+            launched.append((fp, flat))
+            for param in fp.unsharded_params:
+                param.grad = None
+        self.training = TrainingState.REDUCING
+        if not async_op:
+            self.wait_reductions()
+        return launched
+
+    def wait_reductions(self) -> None:
+        """Wait for launched reduce-scatters and add their results into the grad shards."""
+        for fp, _flat_alive_until_done, new_shard, pending in self._pending:
+            pending.wait()
+            gradients.accumulate(fp, new_shard)
+        self._pending.clear()
+
+    def show_grads(self, used_per_fp: list[Tensor]) -> None:
+        """Let the optimizer see the reduced gradients of the parameters that count as used."""
+        for fp, used in zip(self.grad_flat_params, used_per_fp):
+            gradients.show(fp, used)
+        self.end_reduction()
+
+    def end_reduction(self) -> None:
+        self.training = TrainingState.IDLE
+        for used in self.used:
+            used.zero_()
+
+    def launch_refresh(self, stepped: set[FlatParam]) -> None:
+        """Launch the all-gathers that refresh the full buffers from shards just updated (by an optimizer
+        step or a load): always at stages 1-2 (resident), and at stage 3 for a unit gathered right now
+        (the root within a manually optimised step). The caller waits for them (``wait_gathers``)."""
+        if self.state is not UnitState.UNSHARDED:
+            return
+        for fp in self.flat_params:
+            if fp in stepped and (fp.resident_full or fp.gathers):
+                self._gathering.append(
+                    collectives.all_gather(fp.full, fp.shard, self.comm, label=fp.layout.name, async_op=True)
+                )
+
+    # ---- full copies for the user (sharding/gathered.py) ----
+
+    def summon(self, params_per_fp: list[list[nn.Parameter]]) -> UnitState:
+        """Point the module at the given full copies; returns the state to go back to (``unsummon``)."""
+        busy = self.training is TrainingState.BACKWARD or self._gathering
+        if self.state is UnitState.SUMMONED or busy:
+            raise RuntimeError(
+                f"[rank {self.comm.rank}] cannot gather unit {self.name!r} for the user: it is"
+                f" {self.state.value}, {self.training.value}."
+            )
+        if self.state is UnitState.PREFETCHED:
+            self.reshard()  # a writeback would leave the prefetched values stale: gather again when needed
+        previous, self.state = self.state, UnitState.SUMMONED
+        self._register(params_per_fp)
+        return previous
+
+    def unsummon(self, previous: UnitState) -> None:
+        self._expect(UnitState.SUMMONED, "return the user's full copies of")
+        self.state = previous
+        self._register(
+            [fp.unsharded_params if previous is UnitState.UNSHARDED else fp.placeholders for fp in self.flat_params]
+        )

@@ -1,0 +1,314 @@
+"""Vital signs per rank, as a Lightning callback: loss, gradient norm, activations per unit, update ratio.
+
+The four vital signs of training (loss, gradient norm, activation distribution, update ratio) behave a
+little differently on each rank when distributed training goes wrong, while rank 0's curves can look
+fine. ``ShardLabVitals`` measures them every ``every_n_steps`` steps, so that healthy ranks' curves lie
+on top of each other and an odd rank stands out. Two kinds of sign:
+
+per replica (each rank's own data: one curve per rank, overlaid)
+    loss                      this rank's loss, as ``training_step`` returned it
+    grad_norm_local/<unit>    the 2-norm of this rank's own gradient of the unit, read from the flat
+                              gradient just before its reduce-scatter (with accumulation='reduce', the
+                              root-sum-square over the step's micro-batches); ``grad_norm_local``: all units
+    act_mean/std/absmax/<unit>  statistics of each unit's output on this rank's data
+
+global (the same on every rank by construction: drawn once, in black, never an outlier)
+    grad_norm                 the norm of the averaged gradient the optimizer steps with (before clipping)
+    update_ratio/<unit>       |Δw| / |w| of the unit's weights in this optimizer step
+
+Shards are not compared with each other: rank r's shard is a different slice from rank s's, so shard
+norms differ by construction. Global signs are summed from every rank's shard instead. One all-gather
+per logged step (a few floats per unit and rank) brings every rank's signs to rank 0, which logs them
+to the Trainer's loggers as ``vitals/<signal>/rank<r>`` (global ones as ``vitals/<signal>``) and, when
+training ends, writes the dashboard (vitals/dashboard.py): vitals.png and vitals.html overlaying the ranks with
+outliers marked, and vitals.json with the numbers; panels without data say why.
+
+Units are shardlab's units under ``ShardLabStrategy``; under another strategy, the LightningModule's
+children that hold parameters (there gradients are reduced before a callback sees them, so the
+per-rank gradient norms are not measured).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils import _pytree as pytree
+
+from lightning_shardlab.comm import collectives
+from lightning_shardlab.config import check_int, check_positive
+from lightning_shardlab.sharding.sharded_model import sharded_model_of
+from lightning_shardlab.vitals.dashboard import VitalsHistory, write_dashboard
+
+
+@dataclass
+class VitalUnit:
+    name: str
+    module: nn.Module
+    masters: list[Tensor]  # what its optimizer updates on this rank (1-D master shards, or whole parameters)
+
+
+def vital_units(trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[list[VitalUnit], Any]:
+    """The units to watch, and the sharded model (None under another strategy)."""
+    sharded = sharded_model_of(trainer)
+    if sharded is not None:
+        return [
+            VitalUnit(u.name, u.module, [fp.master for fp in u.flat_params if fp.layout.requires_grad])
+            for u in sharded.units
+        ], sharded
+    return [
+        VitalUnit(name, child, [p for p in child.parameters() if p.requires_grad])
+        for name, child in pl_module.named_children()
+        if any(True for _ in child.parameters())
+    ], None
+
+
+class ActivationStats:
+    """Forward hooks that record (mean, std, max |x|) of each unit's output while ``active``."""
+
+    def __init__(self, units: list[VitalUnit]) -> None:
+        self.active = False
+        self.sums: dict[str, list[float]] = {}  # unit -> [calls, mean, std, absmax] summed over calls
+        self.handles = [u.module.register_forward_hook(self._hook(u.name)) for u in units]
+
+    def _hook(self, name: str):  # noqa: ANN202
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            if not self.active:
+                return
+            x = next((t for t in pytree.tree_leaves(output) if isinstance(t, Tensor) and t.is_floating_point()), None)
+            if x is None or x.numel() == 0:
+                return
+            with torch.no_grad():
+                x = x.detach().float()
+                stats = torch.stack([x.mean(), x.std(correction=0), x.abs().max()]).tolist()
+            acc = self.sums.setdefault(name, [0.0, 0.0, 0.0, 0.0])
+            acc[0] += 1
+            acc[1] += stats[0]
+            acc[2] += stats[1]
+            acc[3] = max(acc[3], stats[2])
+
+        return record
+
+    def take(self, name: str) -> list[float]:
+        """(mean, std, max |x|) averaged over this step's calls (NaN if the unit did not run)."""
+        calls, mean, std, absmax = self.sums.get(name, [0.0, 0.0, 0.0, 0.0])
+        return [mean / calls, std / calls, absmax] if calls else [math.nan] * 3
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class ShardLabVitals(L.Callback):
+    """Per-rank vital signs, logged per rank, and a dashboard (PNG + HTML) when training ends.
+
+    Args:
+        every_n_steps: measure every K-th training batch (activation statistics, gradient norms before the
+            reduction, a copy of the master shards for the update ratio, and one small all-gather cost time
+            on those steps only).
+        dashboard_dir: where vitals.png/html/json go; default ``<trainer.log_dir or default_root_dir>/vitals``.
+        outlier_z: how many robust scales from the median of the ranks make an outlier (vitals/dashboard.py).
+    """
+
+    def __init__(self, every_n_steps: int = 1, dashboard_dir: str | None = None, outlier_z: float = 6.0) -> None:
+        check_int("every_n_steps", every_n_steps, 1)
+        check_positive("outlier_z", outlier_z)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as error:
+            raise ImportError(
+                "ShardLabVitals draws its dashboard with matplotlib. HINT: pip install"
+                " 'lightning-shardlab[plot]' (or matplotlib)."
+            ) from error
+        self.every_n_steps, self.dashboard_dir, self.outlier_z = every_n_steps, dashboard_dir, outlier_z
+        self.units: list[VitalUnit] = []
+        self.sharded: Any = None
+        self.activations: ActivationStats | None = None
+        self.batches = 0
+        self.steps: list[int] = []
+        self.rows: list[np.ndarray] = []  # rank 0: (world, per-rank signals + global signals) per logged step
+        self.paths: dict[str, Path] = {}
+        self._local_sq: dict[str, float] = {}  # unit -> this rank's pre-reduction gradient norm^2, this step
+        self._shard_grad_sq = math.nan  # this rank's part of the reduced gradient, norm^2
+        self._before: list[list[Tensor]] | None = None
+
+    @property
+    def signals(self) -> list[str]:
+        """The per-rank signals, in row order."""
+        kinds = ("act_mean", "act_std", "act_absmax", "grad_norm_local")
+        return ["loss", "grad_norm_local", *(f"{kind}/{u.name}" for u in self.units for kind in kinds)]
+
+    @property
+    def global_signals(self) -> list[str]:
+        return ["grad_norm", *(f"update_ratio/{u.name}" for u in self.units)]
+
+    # ---- hooks ----
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.units, self.sharded = vital_units(trainer, pl_module)
+        self.activations = ActivationStats(self.units)
+        if self.sharded is not None:
+            self.sharded.grad_observers.append(self._observe_flat_grad)
+        self.batches, self.steps, self.rows = 0, [], []
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        assert self.activations is not None
+        self.activations.active = self.batches % self.every_n_steps == 0
+        self.activations.sums.clear()
+        self._local_sq.clear()
+        self._shard_grad_sq, self._before = math.nan, None
+
+    def _observe_flat_grad(self, unit: Any, fp: Any, flat: Tensor) -> None:
+        """This rank's own gradient of ``unit`` (a flat grad about to be reduce-scattered)."""
+        if self.activations is not None and self.activations.active:
+            sq = float(torch.linalg.vector_norm(flat.detach().float()) ** 2)
+            self._local_sq[unit.name] = self._local_sq.get(unit.name, 0.0) + sq
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Optimizer) -> None:
+        if not (self.activations and self.activations.active):
+            return
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        sq = sum(float(torch.linalg.vector_norm(g.float()) ** 2) for g in grads)
+        self._shard_grad_sq = sq if math.isnan(self._shard_grad_sq) else self._shard_grad_sq + sq
+        if self._before is None:  # several optimizers: the first one's call sees the weights before any step
+            self._before = [[m.detach().clone() for m in u.masters] for u in self.units]
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        assert self.activations is not None
+        if self.activations.active:
+            self._record(trainer, self._measure(outputs))
+        self.activations.active = False
+        self.batches += 1
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # trainer.log_dir is a collective (it broadcasts rank 0's), so every rank asks
+        directory = (
+            Path(self.dashboard_dir)
+            if self.dashboard_dir
+            else Path(trainer.log_dir or trainer.default_root_dir) / "vitals"
+        )
+        if trainer.is_global_zero and self.rows:
+            values = np.stack(self.rows)
+            signals = [*self.signals, *self.global_signals]
+            history = VitalsHistory(
+                self.steps,
+                signals,
+                values,
+                f"shardlab vital signs: {type(pl_module).__name__}, {trainer.world_size} ranks",
+                global_signals=self.global_signals,
+                reasons=self._reasons(signals, values),
+            )
+            self.paths = write_dashboard(history, directory, self.outlier_z)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.activations is not None:
+            self.activations.remove()
+            self.activations = None
+        if self.sharded is not None and self._observe_flat_grad in self.sharded.grad_observers:
+            self.sharded.grad_observers.remove(self._observe_flat_grad)
+
+    # ---- measuring, gathering, logging ----
+
+    def _measure(self, outputs: Any) -> Tensor:
+        """This rank's row: its signals, then the sums the global signs are made of. 1-D float64."""
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        local = [self._local_norm(u) for u in self.units]
+        measured = [v for v in local if not math.isnan(v)]
+        row = [
+            float(loss) if isinstance(loss, Tensor) and loss.numel() == 1 else math.nan,
+            math.sqrt(sum(v * v for v in measured)) if measured else math.nan,
+        ]
+        assert self.activations is not None
+        for unit, norm in zip(self.units, local):
+            row += [*self.activations.take(unit.name), norm]
+        row.append(self._shard_grad_sq)
+        for i, unit in enumerate(self.units):
+            row += self._update_sums(i, unit)
+        return torch.tensor(row, dtype=torch.float64)
+
+    def _local_norm(self, unit: VitalUnit) -> float:
+        sq = self._local_sq.get(unit.name)
+        return math.nan if sq is None else math.sqrt(sq)
+
+    def _update_sums(self, i: int, unit: VitalUnit) -> list[float]:
+        """(|Δw|^2, |w|^2) of this rank's masters of ``unit`` in this step; NaN without a step."""
+        if self._before is None or not unit.masters:
+            return [math.nan, math.nan]
+        delta = sum(
+            float(torch.linalg.vector_norm((m.detach() - b).double()) ** 2)
+            for m, b in zip(unit.masters, self._before[i])
+        )
+        weight = sum(float(torch.linalg.vector_norm(b.double()) ** 2) for b in self._before[i])
+        return [delta, weight]
+
+    def _globals(self, everyone: np.ndarray) -> list[float]:
+        """grad_norm and each unit's update ratio from every rank's sums: shards partition the weights (sum them);
+        whole copies are the same everywhere (take rank 0's)."""
+        n = len(self.signals)
+        parts = everyone[:, n:] if self.sharded is not None else everyone[:1, n:]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            grad = parts[:, 0]
+            out = [math.nan if np.isnan(grad).all() else float(math.sqrt(np.nansum(grad)))]
+            for i in range(len(self.units)):
+                delta, weight = parts[:, 1 + 2 * i], parts[:, 2 + 2 * i]
+                ok = not np.isnan(delta).all() and np.nansum(weight) > 0
+                out.append(float(math.sqrt(np.nansum(delta) / np.nansum(weight))) if ok else math.nan)
+        return out
+
+    def _record(self, trainer: L.Trainer, row: Tensor) -> None:
+        everyone = self._gather(trainer, row).numpy()  # (world, row)
+        if not trainer.is_global_zero:
+            return
+        world, n = everyone.shape[0], len(self.signals)
+        glob = self._globals(everyone)
+        metrics = {
+            f"vitals/{s}/rank{r}": float(everyone[r, k])
+            for k, s in enumerate(self.signals)
+            for r in range(world)
+            if not math.isnan(everyone[r, k])
+        }
+        metrics.update({f"vitals/{s}": v for s, v in zip(self.global_signals, glob) if not math.isnan(v)})
+        self.steps.append(self.batches)
+        self.rows.append(np.concatenate([everyone[:, :n], np.tile(glob, (world, 1))], axis=1))
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=self.batches)
+
+    def _reasons(self, signals: list[str], values: np.ndarray) -> dict[str, str]:
+        """Why a signal has no value at any step (the dashboard prints it in the empty panel)."""
+        frozen = {u.name for u in self.units if not u.masters}
+        reasons = {}
+        for k, signal in enumerate(signals):
+            if not np.isnan(values[:, :, k]).all():
+                continue
+            kind, _, unit = signal.partition("/")
+            if unit in frozen and kind in ("grad_norm_local", "update_ratio"):
+                reasons[signal] = "frozen: no gradient, no update"
+            elif kind.startswith("act_"):
+                reasons[signal] = "its own forward never ran (training_step calls its children)"
+            elif kind == "grad_norm_local" and self.sharded is None:
+                reasons[signal] = "not measured: this strategy reduces gradients before callbacks see them"
+            else:
+                reasons[signal] = "no optimizer step was logged"
+        return reasons
+
+    @staticmethod
+    def _gather(trainer: L.Trainer, row: Tensor) -> Tensor:
+        """Every rank's row on every rank: (world, row), CPU."""
+        comm = getattr(trainer.strategy, "comm", None)
+        if comm is not None:
+            out = torch.empty(comm.world_size * row.numel(), dtype=row.dtype, device=comm.device)
+            collectives.all_gather(out, row.to(comm.device), comm, label="vital signs", kind="vitals")
+            return out.view(comm.world_size, -1).cpu()
+        gathered = trainer.strategy.all_gather(row.to(trainer.strategy.root_device))
+        return gathered.reshape(trainer.world_size, -1).cpu()

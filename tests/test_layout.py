@@ -1,0 +1,109 @@
+"""The public surface and the house rules: public names, registered strategies, subcommands and shipped
+configs do not move; imports run one way (a reversed import breaks the contract); the README's layout
+section names every module once."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lightning_shardlab
+from lightning_shardlab import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lightning_shardlab"
+PUBLIC = (
+    "ShardLabStrategy", "ShardLabBudget", "ShardLabSanity", "ShardLabVitals", "ShardLabPrecision", "ShardLabEMA",
+    "SanityConfig", "SanityGuard", "ShardLabConfig", "Stage", "Accumulation", "Comm", "CheckpointError",
+    "ShardedModel", "shard_model", "shard_optimizer",
+)  # fmt: skip
+STRATEGIES = ("shardlab", "shardlab_stage_1", "shardlab_stage_2", "shardlab_stage_3")
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+
+def test_public_names_strategies_and_subcommands_stay_where_users_find_them() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert set(PUBLIC) <= set(lightning_shardlab.__all__)
+    for name in PUBLIC:
+        assert getattr(lightning_shardlab, name) is not None
+    for name in STRATEGIES:
+        assert StrategyRegistry[name]["strategy"] is lightning_shardlab.ShardLabStrategy
+    text = cli.usage()
+    for command in ("fit", "validate", "test", "predict", "plan", "consolidate", "inspect"):
+        assert f"  {command} " in text
+    for module, _ in cli.TOOLS.values():
+        assert callable(importlib.import_module(module).main)
+
+
+def _class_paths(text: str) -> set[str]:
+    return set(re.findall(r"class_path:\s*([\w.]+)", text))
+
+
+def test_every_class_path_in_the_configs_and_readme_imports() -> None:
+    paths = set()
+    for source in [*sorted((ROOT / "configs").glob("*.yaml")), ROOT / "README.md"]:
+        paths |= _class_paths(source.read_text())
+    assert "lightning_shardlab.ShardLabBudget" in paths and "lightning_shardlab.examples.gpt.GPT" in paths
+    for path in sorted(paths):
+        module, _, name = path.rpartition(".")
+        if module.startswith("lightning_shardlab.examples.hf") and importlib.util.find_spec("transformers") is None:
+            continue
+        assert isinstance(getattr(importlib.import_module(module), name), type), path
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_every_shipped_config_parses(
+    config: str, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if "hf" in config:
+        pytest.importorskip("transformers")
+    monkeypatch.setattr(sys, "argv", ["shardlab"])  # as if typed: shardlab fit --config ... --print_config
+    with pytest.raises(SystemExit) as done:
+        cli.main(["fit", "--config", str(ROOT / "configs" / config), "--print_config"])
+    assert done.value.code in (None, 0)
+    assert "strategy" in capsys.readouterr().out
+
+
+def _lint_imports(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", "--config", str(root / "pyproject.toml")],
+        cwd=root, env={"PYTHONPATH": str(root), "PATH": str(LINT_IMPORTS.parent)}, capture_output=True, text=True,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(not LINT_IMPORTS.exists(), reason="import-linter is not installed (pip install -e '.[test]')")
+def test_imports_run_one_way_and_a_reversed_import_breaks_the_contract(tmp_path: Path) -> None:
+    kept = _lint_imports(ROOT)
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    shutil.copytree(PACKAGE, tmp_path / "lightning_shardlab", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    ledger = tmp_path / "lightning_shardlab" / "comm" / "ledger.py"
+    ledger.write_text(ledger.read_text() + "\nfrom lightning_shardlab.sharding import unit  # noqa: E402,F401\n")
+    broken = _lint_imports(tmp_path)
+    assert broken.returncode != 0
+    assert "BROKEN" in broken.stdout and "lightning_shardlab.comm.ledger -> lightning_shardlab.sharding.unit" in (
+        broken.stdout
+    ), broken.stdout
+
+
+def test_readme_layout_names_every_module_once() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Layout", 1)[1].split("\n#", 1)[0]
+    bullets = [line for line in re.split(r"\n- ", section) if line.strip()]
+    for folder in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").exists()):
+        modules = sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py")
+        bullet = next((b for b in bullets if b.lstrip("- ").startswith(f"`{folder.name}/`")), None)
+        assert bullet is not None, f"the README's layout does not name {folder.name}/"
+        named = re.findall(r"`(\w+\.py)`", bullet)
+        assert sorted(named) == modules, f"{folder.name}/: README names {sorted(named)}, the folder has {modules}"
+    top = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
+    outside = " ".join(b for b in bullets if not re.match(r"-? ?`\w+/`", b))
+    for name in top:
+        assert re.findall(rf"`{re.escape(name)}`", outside) == [f"`{name}`"], name
