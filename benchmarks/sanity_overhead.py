@@ -1,7 +1,7 @@
 """What the sanity checks cost, as a share of step time, on a GPT of 14.3M parameters on 2 CPU ranks.
 
-    python benchmarks/sanity_overhead.py                 # 3 min on 2 idle cores; writes benchmarks/SANITY.md
-    python benchmarks/sanity_overhead.py --quick         # tiny GPT, seconds: checks that the script runs
+    python -m benchmarks.sanity_overhead                 # 5 min on 2 idle cores; writes benchmarks/SANITY.md
+    python -m benchmarks.sanity_overhead --quick         # tiny GPT, seconds: checks that the script runs
 
 Variants, run interleaved in one invocation (the order rotates every repeat), each for ``--steps`` steps
 per repeat, on the same sharded model (a plain training loop: forward, backward, AdamW step):
@@ -213,13 +213,14 @@ def report(results: dict, args: argparse.Namespace, seconds: float, load: tuple[
     return "\n".join(
         [
             "# Sanity checks: cost per step\n",
-            f"Command: `{' '.join(['python', *sys.argv])}` ({seconds / 60:.1f} min).  ",
+            f"Command: `{' '.join(['python -m benchmarks.sanity_overhead', *sys.argv[1:]])}`"
+            f" ({seconds / 60:.1f} min).  ",
             f"Machine: {cpu}; {os.cpu_count()} cores; torch {torch.__version__}; 2 ranks (gloo), 1 thread each;"
             f" load average (other jobs included) {load[0]:.1f} before, {load[1]:.1f} after.  ",
             f"Model: nanoGPT-shaped GPT, {params:,} parameters"
             f" ({'the --quick tiny GPT' if args.quick else '8 layers, width 384, context 128, vocabulary 256'}),"
             f" AdamW, {args.batch} sequences per rank and step.  ",
-            f"{args.repeats} interleaved repeats of {args.steps} steps per variant;",
+            f"{args.repeats} interleaved repeats of {args.steps} steps per variant;"
             f" checks every K = {args.every} steps.\n",
             "All figures: median (min to max) over repeats; per step, the slowest rank's. Two measures of the cost:\n",
             "- *checks' own time*, accounted directly (other processes' load barely moves it): the wall time the main"

@@ -1,11 +1,14 @@
 """lightning_shardlab: fully sharded data parallel training (ZeRO stages 1-3) for PyTorch Lightning.
 
 Importing the package registers the strategy names "shardlab" (stage 3), "shardlab_stage_1",
-"shardlab_stage_2" and "shardlab_stage_3" with Lightning.
+"shardlab_stage_2" and "shardlab_stage_3" with Lightning's Trainer and with Fabric
+(``lightning_shardlab.fabric.ShardLabStrategy``).
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_shardlab import fabric
 from lightning_shardlab.budget.callback import ShardLabBudget
 from lightning_shardlab.checkpoint.files import CheckpointError
 from lightning_shardlab.comm.collectives import Comm
@@ -20,6 +23,7 @@ from lightning_shardlab.strategy import ShardLabStrategy
 from lightning_shardlab.vitals.callback import ShardLabVitals
 
 ShardLabStrategy.register_strategies(StrategyRegistry)
+fabric.ShardLabStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "Accumulation",

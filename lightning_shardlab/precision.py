@@ -1,4 +1,5 @@
-"""Precision for sharded training: the Lightning plugin and what it tells the flat parameters.
+"""Precision for sharded training: the recipe both front doors share, the Trainer's plugin, what it tells
+the flat parameters.
 
 | precision    | gathered, computed in     | master shard | grads kept in | reduced in (default) |
 | ------------ | ------------------------- | ------------ | ------------- | -------------------- |
@@ -10,6 +11,9 @@
 With "bf16-mixed" and AdamW each rank holds 2 B compute copy + 2 B gradient + 4 B master + 8 B
 moments = 16 B per parameter, divided by N at stage 3 (the ZeRO table). Gradient clipping takes
 the global norm over every rank's shards; the fp16 loss scale skips a step when any rank overflowed.
+
+``PrecisionRecipe`` is all of that on ``lightning.fabric``'s plugin interface; ``ShardLabPrecision`` adds the
+Trainer's hooks (fabric/precision.py adds Fabric's), so the two plugins differ only where Lightning's two APIs do.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning_utilities import apply_to_collection
@@ -53,7 +58,9 @@ class DynamicLossScale:
                 self.scale, self.good_steps = self.scale * 2, 0
 
 
-class ShardLabPrecision(Precision):
+class PrecisionRecipe(FabricPrecision):
+    """Dtypes, autocast, input conversion, global clipping and the fp16 loss scale, for either front door."""
+
     def __init__(self, precision: str = "32-true", norm_type: float = 2.0) -> None:
         if precision not in SUPPORTED:
             raise ValueError(
@@ -106,43 +113,39 @@ class ShardLabPrecision(Precision):
 
     # ---- gradients: global clipping, fp16 loss scaling ----
 
-    @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+    def clip_by_global_norm(self, optimizer: Optimizer, max_norm: float, norm_type: float | None = None) -> Tensor:
+        """Collective: clip ``optimizer``'s gradients by their global norm; returns the norm before clipping."""
         assert self.sharded is not None, "the strategy connects the precision plugin before training"
         params = list(self.main_params(optimizer))
-        self.last_grad_norm = clip_grad_norm_(params, clip_val, self.norm_type, self.sharded.comm)
+        norm = self.norm_type if norm_type is None else norm_type
+        self.last_grad_norm = clip_grad_norm_(params, max_norm, norm, self.sharded.comm)
+        return self.last_grad_norm
 
     @override
-    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
+    def pre_backward(self, tensor: Tensor, module: Any) -> Any:
         if self.loss_scale is not None:
             tensor = tensor * self.loss_scale.scale
-        return super().pre_backward(tensor, module)
-
-    @override
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        if self.loss_scale is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        closure_result = closure()
-        if closure_result is None and model.automatic_optimization:
-            return closure_result  # backward was skipped
-        overflow = self._unscale(optimizer)
-        self._after_closure(model, optimizer)
-        self.loss_scale.update(overflow)
-        if overflow:  # every rank agrees: skip this step, as torch's GradScaler does
-            assert self.sharded is not None
-            self.sharded.skip_step()
-            return closure_result
-        return optimizer.step(**kwargs)
+        super().pre_backward(tensor, module)  # the Trainer's calls on_before_backward; Fabric's does nothing
+        return tensor
 
     def _unscale(self, optimizer: Optimizer) -> bool:
         """Divide the gradients by the loss scale; True when any rank saw inf or nan (one all-reduce)."""
-        assert self.sharded is not None
+        assert self.sharded is not None and self.loss_scale is not None
         grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
         bad = torch.zeros((), dtype=torch.int32, device=self.sharded.comm.device)
         for g in grads:
             g.mul_(1.0 / self.loss_scale.scale)
             bad |= (~torch.isfinite(g)).any().int()
         return bool(collectives.all_reduce(bad, self.sharded.comm, op="max", label="loss scale overflow"))
+
+    def _step_or_skip(self, optimizer: Optimizer, overflow: bool, **kwargs: Any) -> Any:
+        """After unscaling: step, or (any rank overflowed) skip the step on every rank, as GradScaler does."""
+        assert self.loss_scale is not None and self.sharded is not None
+        self.loss_scale.update(overflow)
+        if overflow:
+            self.sharded.skip_step()
+            return None
+        return optimizer.step(**kwargs)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -154,13 +157,42 @@ class ShardLabPrecision(Precision):
             vars(self.loss_scale).update(state_dict)
 
 
-def shardlab_precision(plugin: Precision | None, norm_type: float) -> ShardLabPrecision:
-    """The shardlab plugin for what the Trainer chose (``precision=...``); refuses what it cannot honour."""
-    if plugin is None or isinstance(plugin, ShardLabPrecision):
-        return plugin or ShardLabPrecision(norm_type=norm_type)
+class ShardLabPrecision(PrecisionRecipe, Precision):
+    """The Trainer's plugin: ``Trainer(precision=...)`` becomes one of these (``shardlab_precision``)."""
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        self.clip_by_global_norm(optimizer, clip_val)
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if self.loss_scale is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            return closure_result  # backward was skipped
+        overflow = self._unscale(optimizer)
+        self._after_closure(model, optimizer)
+        stepped = self._step_or_skip(optimizer, overflow, **kwargs)
+        return closure_result if overflow else stepped
+
+
+def convert_plugin(
+    plugin: Any, ours: type[PrecisionRecipe], lightning: tuple[type, ...], norm_type: float, front_door: str
+) -> Any:
+    """The shardlab plugin (class ``ours``) for what a front door chose: one of Lightning's plain plugins
+    (``lightning``) with a supported name, or ours already; anything else is refused, naming the choices."""
+    if plugin is None or isinstance(plugin, ours):
+        return plugin or ours(norm_type=norm_type)
     name = getattr(plugin, "precision", type(plugin).__name__)
-    if type(plugin) in (Precision, MixedPrecision, HalfPrecision) and name in SUPPORTED:
-        return ShardLabPrecision(name, norm_type)
+    if type(plugin) in lightning and name in SUPPORTED:
+        return ours(name, norm_type)
     raise ValueError(
-        f"`Trainer(precision={name!r})` is not supported by the shardlab strategy. Allowed: {', '.join(SUPPORTED)}."
+        f"`{front_door}(precision={name!r})` is not supported by the shardlab strategy."
+        f" Allowed: {', '.join(SUPPORTED)}."
     )
+
+
+def shardlab_precision(plugin: Precision | None, norm_type: float) -> ShardLabPrecision:
+    """The shardlab plugin for what the Trainer chose (``precision=...``)."""
+    return convert_plugin(plugin, ShardLabPrecision, (Precision, MixedPrecision, HalfPrecision), norm_type, "Trainer")

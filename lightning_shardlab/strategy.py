@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager
-from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _destroy_dist_connection,
-    _distributed_is_initialized,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
@@ -26,7 +16,6 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -35,28 +24,16 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shardlab.checkpoint import io as ckpt
-from lightning_shardlab.comm import collectives
+from lightning_shardlab.checkpoint.rank_state import Owners
 from lightning_shardlab.comm.collectives import Comm
-from lightning_shardlab.config import Accumulation, ShardLabConfig
+from lightning_shardlab.config import Accumulation
+from lightning_shardlab.distributed import OPTIONS_DOC, ShardLabDistributed, check_option_names, options_to_configs
 from lightning_shardlab.guard.callback import ShardLabSanity
-from lightning_shardlab.guard.guard import SanityConfig
 from lightning_shardlab.precision import ShardLabPrecision, shardlab_precision
 from lightning_shardlab.sharding.gathered import Modules, gathered_params
 from lightning_shardlab.sharding.materialize import has_meta
 from lightning_shardlab.sharding.optimizer import global_grad_norm, shard_optimizer
 from lightning_shardlab.sharding.sharded_model import ShardedModel, shard_model
-
-METRIC_OPS = {
-    "mean": "mean",
-    "avg": "mean",
-    "sum": "sum",
-    "max": "max",
-    "min": "min",
-    None: "mean",
-    ReduceOp.SUM: "sum",
-    ReduceOp.MAX: "max",
-    ReduceOp.MIN: "min",
-}
 
 
 def refuse_unsharded_callbacks(callbacks: list[Any]) -> None:
@@ -73,124 +50,37 @@ def refuse_unsharded_callbacks(callbacks: list[Any]) -> None:
             )
 
 
-class ShardLabStrategy(ParallelStrategy):
-    """Fully sharded data parallel training (ZeRO stages 1, 2 and 3) for any LightningModule.
+class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
+    __doc__ = (
+        """Fully sharded data parallel training (ZeRO stages 1, 2 and 3) for any LightningModule.
 
-    Args:
-        stage: what is sharded at rest: 1 optimizer state, 2 + gradients, 3 + parameters (FSDP).
-        unit_classes: import paths of module classes that each become a unit (gathered and freed
-            together). Default: one unit per repeated block (e.g. each transformer block).
-        min_unit_params: modules with fewer parameters are not made units.
-        reshard_after_forward: stage 3: free gathered parameters after forward (False is torch's
-            SHARD_GRAD_OP: keep them until the unit's backward, trading memory for one all-gather).
-        accumulation: 'reduce' every micro-batch into gradient shards, or 'defer' to the last one.
-        find_unused_parameters: leave the gradients of parameters that no rank used as None, like a single
-            device and DDP (one small all-reduce per optimizer step). False trades that for a zero gradient.
-        broadcast_buffers: before each training step, copy rank 0's buffers (BatchNorm statistics) to
-            every rank, as DDP does.
-        reduce_dtype: 'fp32', 'bf16' or 'fp16': what gradients are reduce-scattered in (default: fp32 under
-            mixed precision, else the parameters' dtype).
-        transport: 'auto', 'builtin' or 'pairwise': how gloo all-gathers and reduce-scatters travel ('auto'
-            times torch's collectives against a direct pairwise exchange at setup and keeps the faster).
-        gradient_clip_norm_type: the norm ``Trainer(gradient_clip_val=...)`` clips by (2, 1 or 'inf').
-        ranks_per_device: several ranks on one device (the single-box proxy).
-        process_group_backend: 'gloo' or 'nccl' (default: gloo on CPU and for shared GPUs, else NCCL).
-        timeout_s: process group timeout, seconds.
-        elementwise_optimizers: import paths of extra optimizer classes to treat as elementwise.
-        state_dict_type: checkpoints are 'sharded' (a directory: every rank writes its own slices) or 'full'
-            (one plain Lightning file gathered on rank 0). Loading reads either at any world size and stage.
-        sanity_every_n_steps: before every K-th training batch compare collective fingerprints, replicated
-            state and batches across ranks (one tiny all-gather each); 0: off. See docs/sanity.md.
-        strict_collectives: debug mode: compare every collective's fingerprint across ranks before it runs.
-        verify_collectives: every collective carries its fingerprint in a header checked before its payload
-            is used, so ranks that part raise a named error at that collective (not a hang or gloo's abort).
-        collective_timeout_s: end the run on every rank, with a report of what each rank waits on, when a
-            collective has not finished after this long (None: no watchdog).
-        handle_sigterm: SIGTERM on any rank stops every rank after the same step.
-    """
+    ``Trainer(strategy=ShardLabStrategy(stage=2, ...))``, or by name: ``"shardlab"`` (stage 3),
+    ``"shardlab_stage_1"``, ``"shardlab_stage_2"``, ``"shardlab_stage_3"``. Fabric's twin takes the same options
+    (``lightning_shardlab.fabric.ShardLabStrategy``).
+
+    Args:"""
+        + OPTIONS_DOC
+    )
 
     strategy_name = "shardlab"
 
     def __init__(
         self,
-        stage: int = 3,
-        unit_classes: list[str] | None = None,
-        min_unit_params: int = 0,
-        reshard_after_forward: bool = True,
-        accumulation: str = "reduce",
-        find_unused_parameters: bool = True,
-        broadcast_buffers: bool = True,
-        reduce_dtype: str | None = None,
-        transport: str = "auto",
-        gradient_clip_norm_type: float | str = 2.0,
-        ranks_per_device: int = 1,
-        process_group_backend: str | None = None,
-        timeout_s: float = 1800.0,
-        elementwise_optimizers: list[str] | None = None,
-        state_dict_type: str = "sharded",
-        sanity_every_n_steps: int = 10,
-        strict_collectives: bool = False,
-        verify_collectives: bool = True,
-        collective_timeout_s: float | None = 300.0,
-        handle_sigterm: bool = True,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        **options: Any,
     ) -> None:
-        self.config = ShardLabConfig(
-            stage=stage,
-            unit_classes=unit_classes or (),
-            min_unit_params=min_unit_params,
-            reshard_after_forward=reshard_after_forward,
-            accumulation=accumulation,
-            find_unused_parameters=find_unused_parameters,
-            broadcast_buffers=broadcast_buffers,
-            reduce_dtype=reduce_dtype,
-            transport=transport,
-            gradient_clip_norm_type=gradient_clip_norm_type,
-            ranks_per_device=ranks_per_device,
-            process_group_backend=process_group_backend,
-            timeout_s=timeout_s,
-            elementwise_optimizers=elementwise_optimizers or (),
-            state_dict_type=state_dict_type,
-        )
+        check_option_names(options, "ShardLabStrategy")
+        self.config, self.sanity_config = options_to_configs(**options)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.num_nodes = 1
         self.comm: Comm | None = None
         self.sharded: ShardedModel | None = None
-        self.sanity_config = SanityConfig(
-            every_n_steps=sanity_every_n_steps,
-            strict_collectives=strict_collectives,
-            verify_collectives=verify_collectives,
-            collective_timeout_s=collective_timeout_s,
-            handle_sigterm=handle_sigterm,
-        )
 
-    # ---- devices, ranks, process group ----
-
-    @property
-    @override
-    def parallel_devices(self) -> list[torch.device] | None:
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    @override
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        # The single-box proxy: each device hosts ``ranks_per_device`` ranks.
-        k = self.config.ranks_per_device
-        self._parallel_devices = None if devices is None else [d for d in devices for _ in range(k)]
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+    # ---- devices, ranks, process group (distributed.py) ----
 
     @property
     def is_distributed(self) -> bool:
@@ -200,21 +90,6 @@ class ShardLabStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def devices_shared(self) -> bool:
-        return self.parallel_devices is not None and len(set(self.parallel_devices)) < len(self.parallel_devices)
-
-    @property
-    def process_group_backend(self) -> str:
-        chosen = self.config.process_group_backend
-        shared_gpu = self.root_device.type == "cuda" and self.devices_shared
-        if chosen == "nccl" and shared_gpu:
-            raise ValueError(
-                "`process_group_backend='nccl'` cannot run several ranks on one GPU (NCCL refuses it)."
-                " HINT: leave process_group_backend unset (gloo is chosen) or use ranks_per_device=1."
-            )
-        return chosen or ("nccl" if self.root_device.type == "cuda" and not shared_gpu else "gloo")
 
     @override
     def _configure_launcher(self) -> None:
@@ -233,18 +108,8 @@ class ShardLabStrategy(ParallelStrategy):
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             refuse_unsharded_callbacks(self.lightning_module.trainer.callbacks)  # before any collective
         super().setup_environment()
-        reset_seed()
         self.set_world_ranks()
-        backend = self.process_group_backend
-        kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.config.timeout_s)}
-        if backend == "nccl":
-            kwargs["device_id"] = self.root_device
-        assert self.cluster_environment is not None
-        if self.world_size > 1 and not _distributed_is_initialized():  # a world of one communicates nothing
-            _init_dist_connection(self.cluster_environment, backend, **kwargs)
-            if backend != "nccl":  # Lightning registers this for NCCL; gloo's threads also need an orderly end
-                atexit.register(_destroy_dist_connection)
-        self.comm = Comm(rank=self.global_rank, world_size=self.world_size, device=self.root_device)
+        self.comm = self.open_process_group()
 
     # ---- precision ----
 
@@ -396,28 +261,8 @@ class ShardLabStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        """Metrics (``self.log(..., sync_dist=True)``) and Lightning's decisions: through comm/collectives.py, so they
-        are verified and the watchdog sees them wait; other groups and operations go to Lightning's helper."""
-        if not isinstance(tensor, Tensor):
-            return tensor
-        op = METRIC_OPS.get(reduce_op.lower() if isinstance(reduce_op, str) else reduce_op)
-        if self.comm is None or group is not None or op is None or not _distributed_is_initialized():
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        collectives.all_reduce(tensor, self.comm, op="sum" if op == "mean" else op, label="metrics")
-        if op != "mean":
-            return tensor
-        return tensor.div_(self.world_size) if tensor.is_floating_point() else tensor.copy_(tensor / self.world_size)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if self.comm is not None and _distributed_is_initialized():
-            collectives.barrier(self.comm)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if self.comm is None or not _distributed_is_initialized():
-            return obj
-        return collectives.broadcast_object(obj, self.comm, src)
+        """Metrics (``self.log(..., sync_dist=True)``) and Lightning's decisions (distributed.py)."""
+        return self.reduce_tensor(tensor, group, reduce_op, "metrics")
 
     # ---- state dicts and checkpoints ("sharded" directories or "full" files: checkpoint/io.py) ----
 
@@ -465,8 +310,15 @@ class ShardLabStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Collective: either format, verified, the same verdict on every rank; per-rank entries restored."""
         assert self.sharded is not None and self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        return ckpt.load(checkpoint_path, self.sharded, trainer, weights_only, self.checkpoint_io)
+        owners = Owners.of(self.lightning_module.trainer)
+        return ckpt.load(checkpoint_path, self.sharded, owners, weights_only, self.checkpoint_io)
+
+    def load_raw(self, filepath: Any, strict: bool = True, weights_only: bool | None = None) -> None:
+        """Collective: load only the module's weights, from a checkpoint of either front door (a Fabric one
+        included) or a plain state dict file, e.g. in ``on_fit_start``; optimizer and loops stay as they are."""
+        assert self.sharded is not None and self.lightning_module is not None, "load_raw() needs the model set up"
+        owners = Owners(self.lightning_module)
+        ckpt.load_weights(filepath, self.sharded, owners, weights_only, self.checkpoint_io, strict)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -508,12 +360,3 @@ class ShardLabStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        entries = [("shardlab", 3), ("shardlab_stage_1", 1), ("shardlab_stage_2", 2), ("shardlab_stage_3", 3)]
-        for name, stage in entries:
-            strategy_registry.register(
-                name, cls, description=f"shardlab: ZeRO stage {stage} sharded data parallel", override=True, stage=stage
-            )

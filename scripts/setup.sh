@@ -13,3 +13,5 @@ fi
 # already installed satisfies the pin and stays.
 python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 python -m pip install -q --disable-pip-version-check -e ".[test,plot,hf]"
+# litgpt's models for the Fabric tests and example (pinned; without its own pins, which would replace ours)
+python -m pip install -q --disable-pip-version-check --no-deps "litgpt==0.5.13" "psutil==7.2.2"

@@ -14,6 +14,8 @@ import json
 import resource
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from lightning_shardlab.budget.predict import OptimizerShape, predict_gathered_p
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.config import Accumulation
 from lightning_shardlab.display import mib, print_table
-from lightning_shardlab.sharding.sharded_model import sharded_model_of
+from lightning_shardlab.sharding.sharded_model import ShardedModel, sharded_model_of
 
 STEP_KEYS = (*MEMORY_CATEGORIES, "gathered_peak", "comm_bytes", "comm_seconds", "step_seconds")
 
@@ -39,8 +41,38 @@ def process_peak_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+@dataclass
+class Run:
+    """What the budget reads of a run, from either front door."""
+
+    sharded: ShardedModel
+    optimizers: list[Any]
+    step: int  # optimizer steps so far
+    log_every: int
+    logger: Any  # has log_metrics(metrics, step), or None
+    rank: int
+    precision: str
+    micro_batches: int  # per optimizer step
+    directory: Callable[[], Path]  # a Trainer's log_dir is a collective: asked for only at the end
+
+    @staticmethod
+    def of_trainer(trainer: L.Trainer) -> Run | None:
+        sharded = sharded_model_of(trainer)
+        if sharded is None:
+            return None
+        return Run(
+            sharded, trainer.optimizers, trainer.global_step, max(trainer.log_every_n_steps, 1), trainer.logger,
+            trainer.global_rank, str(trainer.precision), trainer.accumulate_grad_batches,
+            lambda: Path(trainer.log_dir or trainer.default_root_dir),
+        )  # fmt: skip
+
+
 class ShardLabBudget(L.Callback):
-    """Add to ``Trainer(callbacks=[...])`` with the shardlab strategy (YAML: ``lightning_shardlab.ShardLabBudget``)."""
+    """Add to ``Trainer(callbacks=[...])`` with the shardlab strategy (YAML: ``lightning_shardlab.ShardLabBudget``).
+
+    In a Fabric loop: ``budget.watch(fabric, model, optimizer)`` once, ``budget.step_start()`` and
+    ``budget.step_end()`` around each optimizer step (its micro-batches included), ``budget.report()`` at the
+    end (every rank; rank 0 prints the tables)."""
 
     def __init__(self, console: Console | None = None, json_name: str = "shardlab_budget.json") -> None:
         self.console = console or Console()
@@ -55,14 +87,45 @@ class ShardLabBudget(L.Callback):
         self._warm_up: tuple[dict, float] = ({}, 0.0)
         self._val_start: dict = {}
         self.validation: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])  # not training
+        self.fabric_run: Run | None = None  # set by watch()
+
+    # ---- a Fabric loop ----
+
+    def watch(
+        self, fabric: Any, model: Any, *optimizers: Any, micro_batches: int = 1, directory: str | Path = "."
+    ) -> None:
+        """Start measuring a Fabric run of ``model`` (set up by the shardlab Fabric strategy)."""
+        logger = fabric.loggers[0] if fabric.loggers else None
+        self.fabric_run = Run(
+            fabric.strategy.sharded_model(model), [getattr(o, "optimizer", o) for o in optimizers], 0, 1, logger,
+            fabric.global_rank, str(fabric.strategy.precision.precision), micro_batches, lambda: Path(directory),
+        )  # fmt: skip
+        self._start(self.fabric_run)
+
+    def step_start(self) -> None:
+        assert self.fabric_run is not None, "budget.watch(fabric, model, optimizer) first"
+        self._batch_start(self.fabric_run)
+
+    def step_end(self) -> None:
+        assert self.fabric_run is not None, "budget.watch(fabric, model, optimizer) first"
+        self.fabric_run.step += 1
+        self._batch_end(self.fabric_run)
+
+    def report(self) -> dict[str, Any] | None:
+        """Collective: every rank's figures (rank 0 prints the tables and writes the JSON); None before a step."""
+        assert self.fabric_run is not None, "budget.watch(fabric, model, optimizer) first"
+        return self._finish(self.fabric_run)
 
     # ---- every step ----
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        sharded = sharded_model_of(trainer)
-        if sharded is not None:
-            sharded.comm.ledger.reset()  # training traffic only, not setup
-        self._first_step = trainer.global_step
+        run = Run.of_trainer(trainer)
+        if run is not None:
+            self._start(run)
+
+    def _start(self, run: Run) -> None:
+        run.sharded.comm.ledger.reset()  # training traffic only, not setup
+        self._first_step = run.step
         self._warmed_up = False
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -88,10 +151,13 @@ class ShardLabBudget(L.Callback):
         return out
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        sharded = sharded_model_of(trainer)
-        if sharded is not None:
-            sharded.comm.ledger.reset_peak()
-            self._comm_before = self._comm_totals(sharded.comm.ledger)
+        run = Run.of_trainer(trainer)
+        if run is not None:
+            self._batch_start(run)
+
+    def _batch_start(self, run: Run) -> None:
+        run.sharded.comm.ledger.reset_peak()
+        self._comm_before = self._comm_totals(run.sharded.comm.ledger)
         self._started = time.perf_counter()
 
     @staticmethod
@@ -99,13 +165,16 @@ class ShardLabBudget(L.Callback):
         return sum(t.bytes for t in ledger.by_kind.values()), sum(t.seconds for t in ledger.by_kind.values())
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        sharded = sharded_model_of(trainer)
-        if sharded is None:
-            return
+        run = Run.of_trainer(trainer)
+        if run is not None:
+            self._batch_end(run)
+
+    def _batch_end(self, run: Run) -> None:
+        sharded = run.sharded
         seconds = time.perf_counter() - self._started
         self.step_seconds += seconds
         ledger = sharded.comm.ledger
-        memory = measure_memory(sharded.flat_params, trainer.optimizers)
+        memory = measure_memory(sharded.flat_params, run.optimizers)
         nbytes, comm_seconds = self._comm_totals(ledger)
         self.last = {
             **memory,
@@ -114,12 +183,12 @@ class ShardLabBudget(L.Callback):
             "comm_bytes": nbytes - self._comm_before[0],
             "comm_seconds": comm_seconds - self._comm_before[1],
         }
-        if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
-            self._log(trainer, sharded)
-        if trainer.global_step == self._first_step + 1 and not self._warmed_up:
-            self._warm_up_done(trainer, ledger)
+        if run.step % run.log_every == 0:
+            self._log(run)
+        if run.step == self._first_step + 1 and not self._warmed_up:
+            self._warm_up_done(run, ledger)
 
-    def _warm_up_done(self, trainer: L.Trainer, ledger: Any) -> None:
+    def _warm_up_done(self, run: Run, ledger: Any) -> None:
         """The per-step figures describe the steady state: the first optimizer step (no forward order yet
         to prefetch by) is left out."""
         self._warmed_up = True
@@ -127,44 +196,51 @@ class ShardLabBudget(L.Callback):
         ledger.reset()
         self.validation.clear()
         self.step_seconds = 0.0
-        self._first_step = trainer.global_step
+        self._first_step = run.step
 
-    def _log(self, trainer: L.Trainer, sharded: Any) -> None:
+    def _log(self, run: Run) -> None:
         """One small all-gather: every rank's figures, logged by rank 0 as shardlab/rank{r}/..."""
+        sharded = run.sharded
         mine = torch.tensor([float(self.last[k]) for k in STEP_KEYS], dtype=torch.float64, device=sharded.comm.device)
         everyone = torch.empty(len(STEP_KEYS) * sharded.comm.world_size, dtype=mine.dtype, device=mine.device)
         collectives.all_gather(everyone, mine, sharded.comm, label="per-rank figures", kind="budget")
-        if trainer.logger is None or trainer.global_rank != 0:
+        if run.logger is None or run.rank != 0:
             return
         rows = everyone.view(sharded.comm.world_size, len(STEP_KEYS)).tolist()
         metrics = {f"shardlab/rank{r}/{k}": v for r, row in enumerate(rows) for k, v in zip(STEP_KEYS, row)}
-        trainer.logger.log_metrics(metrics, step=trainer.global_step)
+        run.logger.log_metrics(metrics, step=run.step)
 
     # ---- when fit ends ----
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        sharded = sharded_model_of(trainer)
-        if sharded is None or not self.last:
-            return
-        report = self._report(trainer, sharded)
-        everyone = collectives.all_gather_object(report, sharded.comm, label="budget report")
-        directory = Path(trainer.log_dir or trainer.default_root_dir)  # every rank: log_dir is a broadcast
-        if trainer.global_rank != 0:
-            return
+        run = Run.of_trainer(trainer)
+        if run is not None:
+            self._finish(run)
+
+    def _finish(self, run: Run) -> list[dict[str, Any]] | None:
+        if not self.last:
+            return None
+        sharded = run.sharded
+        everyone = collectives.all_gather_object(self._report(run), sharded.comm, label="budget report")
+        directory = run.directory()  # every rank (a Trainer's log_dir is a broadcast)
+        if run.rank != 0:
+            return everyone
         self._print(everyone, sharded)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / self.json_name).write_text(json.dumps(everyone, indent=1))
         self.console.print(f"[rank 0] budget written to {directory / self.json_name}")
+        return everyone
 
-    def _report(self, trainer: L.Trainer, sharded: Any) -> dict[str, Any]:
-        steps = max(trainer.global_step - self._first_step, 1)
+    def _report(self, run: Run) -> dict[str, Any]:
+        sharded = run.sharded
+        steps = max(run.step - self._first_step, 1)
         training, step_seconds = self._training_traffic(sharded.comm.ledger), self.step_seconds
-        if self._warmed_up and trainer.global_step == self._first_step:  # the warm-up was the only step
+        if self._warmed_up and run.step == self._first_step:  # the warm-up was the only step
             training, step_seconds = self._warm_up
         layouts = [fp.layout for fp in sharded.flat_params]
         units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.units}
-        optimizer = OptimizerShape.of(trainer.optimizers[0]) if trainer.optimizers else None
-        micro = trainer.accumulate_grad_batches
+        optimizer = OptimizerShape.of(run.optimizers[0]) if run.optimizers else None
+        micro = run.micro_batches
         traffic = predict_traffic(
             units,
             sharded.config.stage,
@@ -187,7 +263,7 @@ class ShardLabBudget(L.Callback):
             "rank": sharded.comm.rank,
             "world_size": sharded.comm.world_size,
             "stage": int(sharded.config.stage),
-            "precision": trainer.precision,
+            "precision": run.precision,
             "optimizer_steps": steps,
             "memory_measured": {k: self.last[k] for k in (*MEMORY_CATEGORIES, "gathered_peak")},
             "memory_predicted": {

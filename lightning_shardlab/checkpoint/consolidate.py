@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lightning_shardlab.checkpoint.fabric_state import to_user_shape
 from lightning_shardlab.checkpoint.files import CheckpointError, commit, delete, fsync_file, new_id, tmp_path
 from lightning_shardlab.checkpoint.format import EMA, EMA_RECORD, EMA_STATE_DICT, RANK_STATES_KEY, CheckpointReader
 
@@ -45,7 +46,7 @@ def consolidated_checkpoint(src: str | Path, weights_only: bool | None = None) -
             _full_optimizer_state(reader, o, s) for o, s in enumerate(checkpoint["optimizer_states"])
         ]
     reader.close()
-    return checkpoint
+    return to_user_shape(checkpoint)  # a Fabric checkpoint under the user's keys; a Trainer's as it is
 
 
 def _full_state_dict(reader: CheckpointReader, replicated: dict[str, Any], kind: str = "master") -> dict[str, Any]:

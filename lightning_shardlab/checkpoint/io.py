@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from torch.optim import Optimizer
 
 from lightning_shardlab.checkpoint import sharded as checkpoint_sharded
+from lightning_shardlab.checkpoint.fabric_state import weights_of
 from lightning_shardlab.checkpoint.files import (
     CheckpointError,
     clear_leftovers,
@@ -91,12 +92,14 @@ def save(
     precision: str,
     plugin: CheckpointIO,
     storage_options: Any = None,
+    reshape: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> None:
-    """Collective: write Lightning's dump (from ``module_state`` / ``optimizer_state``) atomically."""
+    """Collective: write Lightning's dump (from ``module_state`` / ``optimizer_state``) atomically; a full file
+    is written as ``reshape`` makes it (Fabric: the user's keys)."""
     if sharded.averages is not None:
         checkpoint[EMA_RECORD] = sharded.averages.record()
     if sharded.config.state_dict_type == "full":
-        _save_full(checkpoint, filepath, sharded, plugin, storage_options)
+        _save_full(checkpoint, filepath, sharded, plugin, storage_options, reshape or (lambda c: c))
         return
     if storage_options is not None or _remote(filepath):
         raise TypeError(
@@ -108,7 +111,12 @@ def save(
 
 
 def _save_full(
-    checkpoint: dict[str, Any], filepath: str | Path, sharded: ShardedModel, plugin: CheckpointIO, storage_options: Any
+    checkpoint: dict[str, Any],
+    filepath: str | Path,
+    sharded: ShardedModel,
+    plugin: CheckpointIO,
+    storage_options: Any,
+    reshape: Callable[[dict[str, Any]], dict[str, Any]],
 ) -> None:
     """1. agree on the destination and on the per-rank entries (their values travel to rank 0)
     2. rank 0 writes the file under a temporary name and renames it  3. every rank learns the outcome."""
@@ -129,7 +137,7 @@ def _save_full(
         checkpoint[EMA_STATE_DICT] = full_state_dict(sharded, ema=True)  # collective; {} off rank 0
     outcome = None
     if comm.rank == 0:
-        outcome = _write_full(checkpoint, final, everyone[0]["tmp_id"], plugin, storage_options)
+        outcome = _write_full(reshape(checkpoint), final, everyone[0]["tmp_id"], plugin, storage_options)
     outcome = collectives.broadcast_object(outcome, comm)
     if outcome is not None:
         raise CheckpointError(outcome)
@@ -161,7 +169,7 @@ def _write_full(
 
 
 def load(
-    filepath: str | Path, sharded: ShardedModel, trainer: Any, weights_only: bool | None, plugin: CheckpointIO
+    filepath: str | Path, sharded: ShardedModel, owners: Owners, weights_only: bool | None, plugin: CheckpointIO
 ) -> dict[str, Any]:
     """Collective: open either format, verify it, agree on the verdict, restore per-rank entries.
 
@@ -189,9 +197,7 @@ def load(
         raise CheckpointError(f"{message} [found by rank {rank}{others}]")
     saved = checkpoint.pop(RANK_STATES_KEY, None)
     if saved and saved["paths"]:
-        restore(
-            checkpoint, SavedRankStates.from_dict(saved), comm.world_size, comm.rank, Owners.of(trainer), str(filepath)
-        )
+        restore(checkpoint, SavedRankStates.from_dict(saved), comm.world_size, comm.rank, owners, str(filepath))
     return checkpoint
 
 
@@ -243,6 +249,20 @@ def _load_averages(sharded: ShardedModel, checkpoint: Mapping[str, Any], reader:
             stacklevel=3,
         )
     sharded.averages.restart(sharded)
+
+
+def load_weights(
+    filepath: str | Path,
+    sharded: ShardedModel,
+    owners: Owners,
+    weights_only: bool | None,
+    plugin: CheckpointIO,
+    strict: bool,
+) -> None:
+    """Collective: only the module's weights, from a checkpoint of either front door (either format) or a plain
+    state dict file: ``fabric.load_raw(path, model)`` and the Trainer strategy's ``load_raw(path)``."""
+    checkpoint = weights_of(load(filepath, sharded, owners, weights_only, plugin), SOURCE_KEY)
+    load_model(sharded, checkpoint, strict)
 
 
 def load_optimizers(optimizers: list[Optimizer], sharded: ShardedModel, checkpoint: Mapping[str, Any]) -> None:

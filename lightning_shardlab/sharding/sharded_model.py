@@ -101,6 +101,8 @@ class ShardedModel:
                     " after the `with` block."
                 )
             return
+        if unit.is_root and not self._root_held:
+            self._begin_pass()  # a loop of the user's own (Fabric, plain torch): each root forward starts one
         unit.unshard()
         if unit.is_root:
             return
@@ -185,10 +187,8 @@ class ShardedModel:
     def step(self, keep_root_gathered: bool) -> Iterator[None]:
         """Keep the root unit gathered for one step (its parameters are used anywhere in the step), and
         start gathering the unit that ran first last step."""
-        self._last_order, self._order = self._order or self._last_order, []
+        self._begin_pass()
         self.root.unshard()
-        if self._last_order and self.config.stage is Stage.PARAMETERS:
-            self._last_order[0].prefetch()
         self._root_held = True
         try:
             yield
@@ -196,6 +196,13 @@ class ShardedModel:
             self._root_held = False
             if not keep_root_gathered:
                 self.root.reshard()
+
+    def _begin_pass(self) -> None:
+        """A new forward pass: last pass's unit order becomes the order prefetching follows; its first unit's
+        gather starts now (stage 3)."""
+        self._last_order, self._order = self._order or self._last_order, []
+        if self._last_order and self.config.stage is Stage.PARAMETERS:
+            self._last_order[0].prefetch()
 
     def verify_collectives(self) -> None:
         """From now on every collective of this model's ``Comm`` is checked on every rank before its data is

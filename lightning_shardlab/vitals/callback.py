@@ -30,6 +30,7 @@ per-rank gradient norms are not measured).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,11 +153,47 @@ class ShardLabVitals(L.Callback):
     # ---- hooks ----
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.units, self.sharded = vital_units(trainer, pl_module)
+        units, sharded = vital_units(trainer, pl_module)
+        gather = functools.partial(self._gather, trainer)
+        self._start(units, sharded, trainer.is_global_zero, list(trainer.loggers), gather, type(pl_module).__name__)
+
+    def _start(self, units: list[VitalUnit], sharded: Any, zero: bool, loggers: list, gather: Any, title: str) -> None:
+        self.units, self.sharded = units, sharded
+        self._zero, self._loggers, self._gather_row, self._title = zero, loggers, gather, title
         self.activations = ActivationStats(self.units)
         if self.sharded is not None:
             self.sharded.grad_observers.append(self._observe_flat_grad)
         self.batches, self.steps, self.rows = 0, [], []
+
+    # ---- a Fabric loop: the same hooks, called by hand ----
+
+    def watch(self, fabric: Any, model: Any) -> None:
+        """Start watching ``model`` (set up by the shardlab Fabric strategy): then ``step_start()`` before each
+        optimizer step's first forward, ``before_optimizer_step(optimizer)``, ``step_end(loss)`` after the step,
+        and ``finish()`` (every rank; rank 0 writes the dashboard) at the end."""
+        sharded = fabric.strategy.sharded_model(model)
+        units = [VitalUnit(u.name, u.module, [fp.master for fp in u.flat_params if fp.layout.requires_grad])
+                 for u in sharded.units]  # fmt: skip
+        name = type(getattr(model, "module", model)).__name__
+        self._start(units, sharded, fabric.global_rank == 0, list(fabric.loggers), self._gather_comm, name)
+
+    def step_start(self) -> None:
+        self.on_train_batch_start(None, None, None, 0)  # type: ignore[arg-type]
+
+    def before_optimizer_step(self, optimizer: Optimizer) -> None:
+        self.on_before_optimizer_step(None, None, getattr(optimizer, "optimizer", optimizer))  # type: ignore[arg-type]
+
+    def step_end(self, loss: Tensor) -> None:
+        self.on_train_batch_end(None, None, loss, None, 0)  # type: ignore[arg-type]
+
+    def finish(self, directory: str | Path | None = None) -> dict[str, Path]:
+        assert self.sharded is not None, "vitals.watch(fabric, model) first"
+        path = Path(self.dashboard_dir or directory or "vitals")
+        self._write(path, self.sharded.comm.world_size)
+        self.teardown(None, None, "fit")  # type: ignore[arg-type]
+        return self.paths
+
+    # ---- hooks ----
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -187,7 +224,7 @@ class ShardLabVitals(L.Callback):
     ) -> None:
         assert self.activations is not None
         if self.activations.active:
-            self._record(trainer, self._measure(outputs))
+            self._record(self._measure(outputs))
         self.activations.active = False
         self.batches += 1
 
@@ -198,14 +235,17 @@ class ShardLabVitals(L.Callback):
             if self.dashboard_dir
             else Path(trainer.log_dir or trainer.default_root_dir) / "vitals"
         )
-        if trainer.is_global_zero and self.rows:
+        self._write(directory, trainer.world_size)
+
+    def _write(self, directory: Path, world_size: int) -> None:
+        if self._zero and self.rows:
             values = np.stack(self.rows)
             signals = [*self.signals, *self.global_signals]
             history = VitalsHistory(
                 self.steps,
                 signals,
                 values,
-                f"shardlab vital signs: {type(pl_module).__name__}, {trainer.world_size} ranks",
+                f"shardlab vital signs: {self._title}, {world_size} ranks",
                 global_signals=self.global_signals,
                 reasons=self._reasons(signals, values),
             )
@@ -266,9 +306,9 @@ class ShardLabVitals(L.Callback):
                 out.append(float(math.sqrt(np.nansum(delta) / np.nansum(weight))) if ok else math.nan)
         return out
 
-    def _record(self, trainer: L.Trainer, row: Tensor) -> None:
-        everyone = self._gather(trainer, row).numpy()  # (world, row)
-        if not trainer.is_global_zero:
+    def _record(self, row: Tensor) -> None:
+        everyone = self._gather_row(row).numpy()  # (world, row)
+        if not self._zero:
             return
         world, n = everyone.shape[0], len(self.signals)
         glob = self._globals(everyone)
@@ -281,7 +321,7 @@ class ShardLabVitals(L.Callback):
         metrics.update({f"vitals/{s}": v for s, v in zip(self.global_signals, glob) if not math.isnan(v)})
         self.steps.append(self.batches)
         self.rows.append(np.concatenate([everyone[:, :n], np.tile(glob, (world, 1))], axis=1))
-        for logger in trainer.loggers:
+        for logger in self._loggers:
             logger.log_metrics(metrics, step=self.batches)
 
     def _reasons(self, signals: list[str], values: np.ndarray) -> dict[str, str]:
@@ -302,13 +342,16 @@ class ShardLabVitals(L.Callback):
                 reasons[signal] = "no optimizer step was logged"
         return reasons
 
-    @staticmethod
-    def _gather(trainer: L.Trainer, row: Tensor) -> Tensor:
+    def _gather_comm(self, row: Tensor) -> Tensor:
+        """Every rank's row on every rank: (world, row), CPU, through the sharded model's collectives."""
+        comm = self.sharded.comm
+        out = torch.empty(comm.world_size * row.numel(), dtype=row.dtype, device=comm.device)
+        collectives.all_gather(out, row.to(comm.device), comm, label="vital signs", kind="vitals")
+        return out.view(comm.world_size, -1).cpu()
+
+    def _gather(self, trainer: L.Trainer, row: Tensor) -> Tensor:
         """Every rank's row on every rank: (world, row), CPU."""
-        comm = getattr(trainer.strategy, "comm", None)
-        if comm is not None:
-            out = torch.empty(comm.world_size * row.numel(), dtype=row.dtype, device=comm.device)
-            collectives.all_gather(out, row.to(comm.device), comm, label="vital signs", kind="vitals")
-            return out.view(comm.world_size, -1).cpu()
+        if self.sharded is not None:
+            return self._gather_comm(row)
         gathered = trainer.strategy.all_gather(row.to(trainer.strategy.root_device))
         return gathered.reshape(trainer.world_size, -1).cpu()
