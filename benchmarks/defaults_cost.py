@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from benchmarks.ranks import free_port
-from benchmarks.sanity_overhead import FULL, QUICK, spread
+from benchmarks.sanity_overhead import join, spread
 from lightning_shardlab import Comm, ShardLabConfig, shard_model, shard_optimizer
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.examples.gpt import GPT
@@ -98,17 +98,7 @@ def models(stage: int, rank: int, world: int, sizes: dict) -> dict:
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, results: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    sizes = QUICK if args.quick else FULL
-    g = torch.Generator().manual_seed(rank)
-    batches = [
-        (
-            torch.randint(0, sizes["vocab_size"], (args.batch, sizes["block_size"]), generator=g),
-            torch.randint(0, sizes["vocab_size"], (args.batch, sizes["block_size"]), generator=g),
-        )
-        for _ in range(args.steps)
-    ]
+    sizes, batches = join(rank, world, port, args)
     out = {}
     for stage in args.stages:
         runs = models(stage, rank, world, sizes)

@@ -120,18 +120,27 @@ def train_block(model: GPT, sharded, optimizer, batches: list, guard: SanityGuar
     return seconds / n, (account.main + account.thread) / n, cpu / n
 
 
-def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, results: dict) -> None:
+def join(
+    rank: int, world: int, port: int, args: argparse.Namespace
+) -> tuple[dict, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One rank of a benchmark: join the gloo group; the GPT's sizes and this rank's random token batches."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     sizes = QUICK if args.quick else FULL
     g = torch.Generator().manual_seed(rank)
+    shape = (args.batch, sizes["block_size"])
     batches = [
         (
-            torch.randint(0, sizes["vocab_size"], (args.batch, sizes["block_size"]), generator=g),
-            torch.randint(0, sizes["vocab_size"], (args.batch, sizes["block_size"]), generator=g),
+            torch.randint(0, sizes["vocab_size"], shape, generator=g),
+            torch.randint(0, sizes["vocab_size"], shape, generator=g),
         )
         for _ in range(args.steps)
     ]
+    return sizes, batches
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, results: dict) -> None:
+    sizes, batches = join(rank, world, port, args)
     out = {}
     for stage in args.stages:
         comm = Comm(rank=rank, world_size=world, device=torch.device("cpu"))

@@ -18,7 +18,6 @@ After training, the full weights inside ``gathered_params()`` equal ``full_state
 from __future__ import annotations
 
 import copy
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -178,19 +177,14 @@ def test_models_and_callbacks_users_bring_match_ddp_with_default_options(world_s
 # ---- ranks that part: a named error on every rank, at the collective where they part ----
 
 
-class Clock(L.Callback):
-    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
-        self.started = time.monotonic()
-
-
 def part_ways(model: str, stage: int) -> dict:
-    """Train a model whose ranks run different units; return this rank's error and how long it took."""
+    """Train a model whose ranks run different units; return this rank's error. Without the verified
+    collectives they would hang (the test's wall clock ends that) or abort inside gloo."""
     torch.manual_seed(0)
     module = {"rank_one_extra": RankOneExtra, "swapped": SwappedBlocks, "experts": MoENet}[model]()
     units = {"rank_one_extra": ["tests.models.routing.Extra"], "experts": ["tests.models.routing.Expert"]}.get(
         model
     )  # forced
-    clock = Clock()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -201,12 +195,11 @@ def part_ways(model: str, stage: int) -> dict:
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=[clock],
     )
     try:
         trainer.fit(module, OrderedData(regression_dataset(16), 2))
     except CollectiveMismatch as err:
-        return {"error": str(err), "seconds_to_error": time.monotonic() - clock.started}
+        return {"error": str(err)}
     return {"error": None}
 
 
@@ -218,7 +211,6 @@ def test_ranks_that_part_raise_a_named_error_on_every_rank(model: str, stage: in
     for rank, report in enumerate(reports):
         error = report["error"]
         assert error is not None and error.startswith(f"[rank {rank}] collective #"), report
-        assert report["seconds_to_error"] < 30, report
         assert "(verified before it ran)" in error and "HINT:" in error
         if model == "rank_one_extra":  # which unit, who ran it, and the block to make the unit instead
             assert "rank 1 gathered unit 'extra'" in error or "rank 1 reduced the gradients of unit 'extra'" in error

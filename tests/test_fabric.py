@@ -176,7 +176,6 @@ def test_fabric_matches_fabric_ddp_at_every_stage(world: int, tmp_path: Path) ->
 
 def test_litgpt_trains_sharded_like_fabric_ddp(tmp_path: Path) -> None:
     """litgpt's GPT at stage 3 (its blocks become units) and stage 2, against Fabric's DDP."""
-    pytest.importorskip("litgpt")
     ranks = run_ranks(
         "tests.test_fabric:fabric_parity",
         2,

@@ -23,7 +23,8 @@ from torch.optim import Optimizer
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.sharding.flat_param import FlatParam
 from lightning_shardlab.sharding.optimizer import is_per_element
-from lightning_shardlab.sharding.sharded_model import ShardedModel, placeholders_allowed
+from lightning_shardlab.sharding.placeholders import placeholders_allowed
+from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 
 def full_state_dict(sharded: ShardedModel, ema: bool = False) -> dict[str, Any]:

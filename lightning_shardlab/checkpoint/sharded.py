@@ -58,7 +58,8 @@ from lightning_shardlab.checkpoint.rank_state import KeyPath, differing_paths, g
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.sharding.flat_param import FlatParam
 from lightning_shardlab.sharding.optimizer import is_per_element
-from lightning_shardlab.sharding.sharded_model import ShardedModel, placeholders_allowed
+from lightning_shardlab.sharding.placeholders import placeholders_allowed
+from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 # ---- save ----
 

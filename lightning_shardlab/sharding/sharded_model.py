@@ -24,6 +24,7 @@ from lightning_shardlab.config import PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding import divergent_units, gradients, hooks
 from lightning_shardlab.sharding.flat_param import FlatParam, FlatParamLayout
 from lightning_shardlab.sharding.materialize import has_meta, materialize
+from lightning_shardlab.sharding.placeholders import refuse_placeholders
 from lightning_shardlab.sharding.policy import ParamUse, plan_units
 from lightning_shardlab.sharding.unit import Registration, TrainingState, Unit, UnitState
 from lightning_shardlab.sharding.usage import UsageAgreement
@@ -357,7 +358,7 @@ def shard_model(
     sharded = ShardedModel(module, units, config, comm, policy)
     for unit in units:
         hooks.install(sharded, unit)
-    module.register_state_dict_post_hook(_refuse_placeholders)
+    module.register_state_dict_post_hook(refuse_placeholders)
     _SHARDED[module] = sharded
     return sharded
 
@@ -436,29 +437,3 @@ def _check_same_layout(module: nn.Module, uses: list[ParamUse], owners: dict[int
                     f"[rank {comm.rank}] the model differs across ranks: entry {i} is {a} on rank 0 but {b} on rank"
                     f" {rank}. HINT: build the same model (same classes, shapes, dtypes, requires_grad) on every rank."
                 )
-
-
-def _refuse_placeholders(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    if not _collecting_full_state.active and any(isinstance(v, Tensor) and v.is_meta for v in state_dict.values()):
-        raise RuntimeError(
-            f"{type(module).__name__}.state_dict() was called while its parameters are sharded (stage 3): each"
-            " rank holds only a slice. HINT: call trainer.strategy.full_state_dict() on every rank (rank 0 gets the"
-            " whole model), or save a checkpoint with trainer.save_checkpoint()."
-        )
-
-
-class _CollectingFullState:
-    active = False
-
-
-_collecting_full_state = _CollectingFullState()
-
-
-@contextmanager
-def placeholders_allowed() -> Iterator[None]:
-    """Let ``module.state_dict(keep_vars=True)`` list placeholders (to learn its keys)."""
-    previous, _collecting_full_state.active = _collecting_full_state.active, True
-    try:
-        yield
-    finally:
-        _collecting_full_state.active = previous
