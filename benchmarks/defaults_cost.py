@@ -65,7 +65,7 @@ def block(model: GPT, sharded, optimizer, batches: list) -> list[float]:  # noqa
         spent[0] += time.perf_counter() - started
 
     sharded.refresh = timed_refresh  # an instance attribute: after_optimizer_step looks it up on the instance
-    before = sharded.comm.ledger.snapshot().get(("all_reduce", "unused parameters"), (0, 0, 0.0))[2]
+    before = sharded.comm.ledger.snapshot().get(("world", "all_reduce", "unused parameters"), (0, 0, 0.0))[2]
     collectives.barrier(sharded.comm, label="start of a timed block")
     start, cpu = time.perf_counter(), time.process_time()
     for x, y in batches:
@@ -78,7 +78,7 @@ def block(model: GPT, sharded, optimizer, batches: list) -> list[float]:  # noqa
     sharded.wait_gathers()  # a refresh left in flight is paid for inside the block
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     del sharded.refresh
-    unused = sharded.comm.ledger.snapshot().get(("all_reduce", "unused parameters"), (0, 0, 0.0))[2] - before
+    unused = sharded.comm.ledger.snapshot().get(("world", "all_reduce", "unused parameters"), (0, 0, 0.0))[2] - before
     return [seconds / len(batches), spent[0] / len(batches), unused / len(batches), cpu / len(batches)]
 
 

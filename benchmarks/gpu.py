@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.ranks import timing_trainer
+
 SIZES = {  # GPT-2 small's shapes; tiny for a dry run on CPU
     "gpt2": {"vocab_size": 50304, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768, "batch": 8},
     "tiny": {"vocab_size": 256, "block_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 64, "batch": 4},
@@ -61,18 +63,12 @@ def timed_fit(strategy: str, size: dict, device: str, precision: str, warmup: in
     model = GPT(**{k: size[k] for k in keys}, lr=1e-4, warmup_steps=0)
     tokens = torch.randint(0, size["vocab_size"], ((warmup + steps) * size["batch"], size["block_size"] + 1))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=size["batch"])
-    trainer = L.Trainer(
+    trainer = timing_trainer(
         accelerator=device,
         devices=1,
         precision=precision,
         max_steps=warmup + steps,
         strategy=ShardLabStrategy() if strategy == "shardlab" else "auto",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=[Clock()],
     )
     trainer.fit(model, loader)

@@ -1,4 +1,5 @@
-"""Run a benchmark function on N local ranks (processes) and collect what each returns.
+"""Run a benchmark function on N local ranks (processes) and collect what each returns; the quiet Trainer
+every timed Lightning run uses.
 
 Each rank gets the environment torchrun would give it (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK,
 LOCAL_RANK, NODE_RANK), so a ``Trainer(devices=N)`` or ``init_process_group("gloo")`` inside joins as is.
@@ -36,3 +37,21 @@ def run_ranks(fn: Callable[..., Any], world: int, kwargs: dict | None = None) ->
         results = manager.dict()
         mp.spawn(_rank, args=(fn, world, free_port(), kwargs or {}, results), nprocs=world, join=True)
         return [results[r] for r in range(world)]
+
+
+# a timed run: nothing but training (no logger, checkpoints, progress bar, summary or validation)
+QUIET = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+    "limit_val_batches": 0,
+}
+
+
+def timing_trainer(**kwargs: Any) -> Any:
+    """``lightning.Trainer(**kwargs)`` with ``QUIET``'s settings."""
+    import lightning as L
+
+    return L.Trainer(**QUIET, **kwargs)

@@ -87,8 +87,22 @@ class ShardLabConfig:
     min_unit_params: int = 0
     """A module with fewer parameters than this is not made a unit; its parameters join the enclosing unit."""
 
-    reshard_after_forward: bool = True
-    """Stage 3: free gathered parameters after forward (False = torch's SHARD_GRAD_OP: keep them for backward)."""
+    unit_bucket_params: int = 1_000_000
+    """Default policy: consecutive blocks of one container with fewer parameters than this are merged into one
+    unit (a bucket) of at least this many, so their collectives travel as one message each instead of paying a
+    latency per block (1M parameters: 2-4 MB messages, past where a collective's fixed latency dominates its
+    transfer); a container whose blocks together hold fewer makes no units (the enclosing unit keeps them). 0:
+    one unit per block. Not applied to ``unit_classes`` (the user's word)."""
+
+    reshard_after_forward: bool | int = True
+    """Stage 3: free gathered parameters after forward (False = torch's SHARD_GRAD_OP: keep them for backward);
+    an int k: keep them sharded over k consecutive ranks (k divides the shard group size), so the backward
+    all-gather stays inside those k ranks (torch FSDP2's int, ZeRO++'s hpZ)."""
+
+    shard_group_size: int | str | None = None
+    """Hybrid sharding: ranks split into consecutive groups of this size, each sharding the model (stage 1, 2
+    or 3 inside the group) while the groups are replicas whose gradient shards are averaged across groups.
+    'node': the devices of one node. None: the whole world shards the model (the default)."""
 
     accumulation: Accumulation = Accumulation.REDUCE
     """Gradient accumulation: 'reduce' every micro-batch into shards, or 'defer' to the last one."""
@@ -148,6 +162,7 @@ class ShardLabConfig:
         _choice("reduce_dtype", self.reduce_dtype, (None, *DTYPES))
         _choice("transport", self.transport, ("auto", "builtin", "pairwise"))
         check_int("min_unit_params", self.min_unit_params, 0)
+        check_int("unit_bucket_params", self.unit_bucket_params, 0)
         check_int("ranks_per_device", self.ranks_per_device, 1)
         norm = self.gradient_clip_norm_type
         if isinstance(norm, str):
@@ -162,8 +177,9 @@ class ShardLabConfig:
             )
         object.__setattr__(self, "gradient_clip_norm_type", float(norm))
         check_positive("timeout_s", self.timeout_s, "a positive number of seconds")
-        for option in ("reshard_after_forward", "find_unused_parameters", "broadcast_buffers"):
+        for option in ("find_unused_parameters", "broadcast_buffers"):
             check_bool(option, getattr(self, option))
+        self._check_groups()
         for option in ("unit_classes", "elementwise_optimizers"):
             value = getattr(self, option)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
@@ -176,6 +192,39 @@ class ShardLabConfig:
         object.__setattr__(self, "unit_types", types)
         for path in self.elementwise_optimizers:
             import_path(path, "elementwise_optimizers")
+
+    def _check_groups(self) -> None:
+        k, g = self.reshard_after_forward, self.shard_group_size
+        if not isinstance(k, bool):
+            check_int("reshard_after_forward", k, 2, " (a reshard group size), or True / False")
+            if self.stage is not Stage.PARAMETERS:
+                raise ValueError(
+                    f"`reshard_after_forward={k}` applies to stage 3 (parameters sharded), not stage"
+                    f" {int(self.stage)}. HINT: use stage=3, or leave reshard_after_forward at True."
+                )
+        if g is not None and g != "node":
+            check_int("shard_group_size", g, 1, ", 'node' or None")
+
+    def group_sizes(self, world_size: int, per_node: int) -> tuple[int, int | None]:
+        """(shard group size, reshard group size or None) for this world; ``per_node``: ranks on one node.
+        Raises ``ValueError`` naming the option and the fix unless the sizes tile the world (before any
+        collective: every rank computes the same)."""
+        g = per_node if self.shard_group_size == "node" else (self.shard_group_size or world_size)
+        if g < 1 or world_size % g:
+            raise ValueError(
+                f"`shard_group_size={self.shard_group_size!r}` ({g} ranks) must divide the world size {world_size}."
+                f" HINT: choose a divisor of {world_size} (e.g. the devices per node), or None to shard over every"
+                " rank."
+            )
+        k = self.reshard_after_forward
+        if isinstance(k, bool) or k == g:
+            return g, None
+        if k > g or g % k:
+            raise ValueError(
+                f"`reshard_after_forward={k}` must divide the shard group size {g}. HINT: use a divisor of {g}"
+                " (e.g. the GPUs of one node), or True."
+            )
+        return g, k
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.collectives import Comm
+from lightning_shardlab.comm.mesh import Mesh
 from lightning_shardlab.config import ShardLabConfig
 from lightning_shardlab.guard.guard import SanityConfig
 
@@ -35,8 +36,14 @@ OPTIONS_DOC = """
         unit_classes: import paths of module classes that each become a unit (gathered and freed
             together). Default: one unit per repeated block (e.g. each transformer block).
         min_unit_params: modules with fewer parameters are not made units.
+        unit_bucket_params: consecutive repeated blocks smaller than this are merged into one unit of at least
+            this many parameters, so small blocks do not pay a collective latency each (0: a unit per block).
         reshard_after_forward: stage 3: free gathered parameters after forward (False is torch's
-            SHARD_GRAD_OP: keep them until the unit's backward, trading memory for one all-gather).
+            SHARD_GRAD_OP: keep them until the unit's backward, trading memory for one all-gather); an int k
+            keeps them sharded over k consecutive ranks, so backward all-gathers stay inside those k (hpZ).
+        shard_group_size: hybrid sharding: consecutive groups of this many ranks each shard the model, and the
+            groups are replicas (gradient shards averaged across groups). 'node': the devices of one node.
+            None (default): every rank shards the model.
         accumulation: 'reduce' every micro-batch into gradient shards, or 'defer' to the last one.
         find_unused_parameters: leave the gradients of parameters that no rank used as None, like a single
             device and DDP (one small all-reduce per optimizer step). False trades that for a zero gradient.
@@ -68,7 +75,9 @@ def options_to_configs(
     stage: int = 3,
     unit_classes: list[str] | None = None,
     min_unit_params: int = 0,
-    reshard_after_forward: bool = True,
+    unit_bucket_params: int = 1_000_000,
+    reshard_after_forward: bool | int = True,
+    shard_group_size: int | str | None = None,
     accumulation: str = "reduce",
     find_unused_parameters: bool = True,
     broadcast_buffers: bool = True,
@@ -91,7 +100,9 @@ def options_to_configs(
         stage=stage,
         unit_classes=unit_classes or (),
         min_unit_params=min_unit_params,
+        unit_bucket_params=unit_bucket_params,
         reshard_after_forward=reshard_after_forward,
+        shard_group_size=shard_group_size,
         accumulation=accumulation,
         find_unused_parameters=find_unused_parameters,
         broadcast_buffers=broadcast_buffers,
@@ -135,6 +146,15 @@ class ShardLabDistributed:
     global_rank: int
     world_size: int
     comm: Comm | None
+    _num_nodes: int = 1
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:  # the Trainer sets this; Fabric sets ``_num_nodes``
+        self._num_nodes = num_nodes
 
     @property
     def parallel_devices(self) -> list[torch.device] | None:
@@ -170,8 +190,15 @@ class ShardLabDistributed:
             )
         return chosen or ("nccl" if self.root_device.type == "cuda" and not shared_gpu else "gloo")
 
+    @property
+    def group_sizes(self) -> tuple[int, int | None]:
+        """(shard group size, reshard group size or None): checked against the world, on every rank alike."""
+        return self.config.group_sizes(self.world_size, self.num_processes)
+
     def open_process_group(self) -> Comm:
-        """Join the process group (a world of one communicates nothing) and return this rank's ``Comm``."""
+        """Join the process group (a world of one communicates nothing) and return this rank's ``Comm``.
+        The group sizes are checked first: a bad ``shard_group_size`` is refused before any collective."""
+        _ = self.group_sizes
         reset_seed()
         backend = self.process_group_backend
         kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.config.timeout_s)}
@@ -183,6 +210,11 @@ class ShardLabDistributed:
             if backend != "nccl":  # Lightning registers this for NCCL; gloo's threads also need an orderly end
                 atexit.register(_destroy_dist_connection)
         return Comm(rank=self.global_rank, world_size=self.world_size, device=self.root_device)
+
+    def open_mesh(self) -> Mesh:
+        """Collective: the shard, replica and reshard groups (comm/mesh.py) over this rank's ``Comm``."""
+        assert self.comm is not None
+        return Mesh.build(self.comm, *self.group_sizes)
 
     # ---- the collectives Lightning asks for: through comm/collectives.py, so they are verified, counted and
     # watched by the watchdog; other groups and operations go to Lightning's helper ----

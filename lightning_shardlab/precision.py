@@ -118,7 +118,7 @@ class PrecisionRecipe(FabricPrecision):
         assert self.sharded is not None, "the strategy connects the precision plugin before training"
         params = list(self.main_params(optimizer))
         norm = self.norm_type if norm_type is None else norm_type
-        self.last_grad_norm = clip_grad_norm_(params, max_norm, norm, self.sharded.comm)
+        self.last_grad_norm = clip_grad_norm_(params, max_norm, norm, self.sharded.mesh.shard)
         return self.last_grad_norm
 
     @override

@@ -76,7 +76,6 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
         check_option_names(options, "ShardLabStrategy")
         self.config, self.sanity_config = options_to_configs(**options)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        self.num_nodes = 1
         self.comm: Comm | None = None
         self.sharded: ShardedModel | None = None
 
@@ -144,7 +143,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
         plugin = self.precision_plugin
         plugin.device_type = self.root_device.type
         self.sharded = shard_model(
-            self.lightning_module, self.config, self.comm, plugin.policy(self.config.reduce_dtype)
+            self.lightning_module, self.config, self.open_mesh(), plugin.policy(self.config.reduce_dtype)
         )
         self.comm = self.sharded.comm  # a module sharded by an earlier Trainer keeps its comm and ledger
         if self._sanity_driver(trainer).config.verify_collectives:
@@ -252,10 +251,10 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
         ``clip_grad_norm_`` on the unsharded gradients; call it on every rank, e.g. in
         ``on_before_optimizer_step``, and log it.
         """
-        assert self.comm is not None
+        assert self.sharded is not None
         optimizers = [optimizer] if optimizer is not None else self.optimizers
         params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
-        return global_grad_norm(params, float(norm_type), self.comm)
+        return global_grad_norm(params, float(norm_type), self.sharded.mesh.shard)  # the replicas hold the same
 
     # ---- collectives Lightning asks for (metrics, barriers) ----
 

@@ -27,6 +27,11 @@ from tests.models import OddNet, OrderedData, TinyGPT, token_dataset
         ({"gradient_clip_norm_type": -2}, ["gradient_clip_norm_type"]),
         ({"process_group_backend": "mpi"}, ["process_group_backend", "'gloo', 'nccl'"]),
         ({"reshard_after_forward": "yes"}, ["reshard_after_forward"]),
+        ({"reshard_after_forward": 1}, ["reshard_after_forward", ">= 2"]),
+        ({"reshard_after_forward": 2, "stage": 2}, ["reshard_after_forward", "stage 3"]),
+        ({"shard_group_size": 0}, ["shard_group_size", "'node'"]),
+        ({"shard_group_size": "rack"}, ["shard_group_size"]),
+        ({"unit_bucket_params": -1}, ["unit_bucket_params"]),
         ({"elementwise_optimizers": "torch.optim.SGD"}, ["elementwise_optimizers", "list"]),
         ({"timeout_s": 0}, ["timeout_s"]),
     ],
@@ -113,3 +118,26 @@ def test_model_that_differs_across_ranks_raises_on_every_rank_without_hanging() 
         assert returncode != 0, f"rank {rank} did not fail"
         assert "ValueError" in log and "the model differs across ranks" in log, log[-2000:]
         assert "blocks.1.mlp.fc.weight" in log and "(72, 18)" in log and "(71, 18)" in log
+
+
+def group_size_fit(options: dict) -> dict:
+    """A group size the world of 2 cannot be split into: refused at setup, before the process group opens."""
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ShardLabStrategy(**options), max_steps=1, logger=False)
+    trainer.fit(TinyGPT(), OrderedData(token_dataset(8), 2))
+    return {}
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"shard_group_size": 3}, ["`shard_group_size=3` (3 ranks) must divide the world size 2"]),
+        ({"reshard_after_forward": 3}, ["`reshard_after_forward=3` must divide the shard group size 2"]),
+    ],
+    ids=["shard_group_size", "reshard_after_forward"],
+)
+def test_group_sizes_that_do_not_tile_the_world_are_refused_on_every_rank(options: dict, words: list[str]) -> None:
+    results = run_ranks("tests.test_bad_input:group_size_fit", 2, {"options": options}, timeout=90, expect_failure=True)
+    for rank, (returncode, log) in enumerate(results):
+        assert returncode != 0, f"rank {rank} did not fail"
+        assert "ValueError" in log and all(w in log for w in words), log[-2000:]
+        assert "HINT" in log, log[-2000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -58,12 +59,13 @@ class IndependentCounts(L.Callback):
             setattr(dist, name, fn)
 
 
-def budget_run(world_size: int, stage: int, out: str, steps: int = 6) -> dict:
+def budget_run(world_size: int, stage: int, out: str, steps: int = 6, **options: Any) -> dict:
     torch.manual_seed(0)
     data = token_dataset(6 * 2 * world_size, vocab=61, block_size=8)
     counts = IndependentCounts(exclude=list(data.tensors))
     budget = ShardLabBudget()  # it logs through its own collective: counted separately, under "budget"
-    strategy = ShardLabStrategy(stage=stage, transport="builtin", sanity_every_n_steps=0)  # parameter traffic only
+    # parameter traffic only
+    strategy = ShardLabStrategy(stage=stage, transport="builtin", sanity_every_n_steps=0, **options)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -105,9 +107,8 @@ def test_ledger_equals_independent_counts_and_its_predictions(stage: int, tmp_pa
 
 def test_a_single_step_run_reports_its_warm_up_step(tmp_path: Path) -> None:
     """The steady state leaves the first step out; with no other step, that step is what is reported."""
-    report = run_ranks(
-        "tests.test_budget:budget_run", 2, {"world_size": 2, "stage": 3, "out": str(tmp_path), "steps": 1}, timeout=180
-    )[0]["report"]
+    kwargs = {"world_size": 2, "stage": 3, "out": str(tmp_path), "steps": 1, "unit_bucket_params": 0}  # blocks
+    report = run_ranks("tests.test_budget:budget_run", 2, kwargs, timeout=180)[0]["report"]
     assert report["optimizer_steps"] == 1
     predicted = report["comm_predicted_per_step"]
     # no forward order yet: the unit that runs forward last is gathered again for its backward
@@ -120,27 +121,28 @@ def test_stage_3_moves_about_one_and_a_half_times_the_bytes_of_stages_1_and_2(tm
     moved = {}
     for stage in (2, 3):
         out = tmp_path / str(stage)
-        result = run_ranks(
-            "tests.test_budget:budget_run", 2, {"world_size": 2, "stage": stage, "out": str(out)}, timeout=180
-        )[0]
+        kwargs = {"world_size": 2, "stage": stage, "out": str(out), "unit_bucket_params": 0}  # a unit per block
+        result = run_ranks("tests.test_budget:budget_run", 2, kwargs, timeout=180)[0]
         moved[stage] = sum(c["bytes"] for k, c in result["report"]["comm_per_step"].items() if k != "budget")
     # the root unit (embeddings, head) is gathered once per step, not twice, so a little under 1.5
     assert 1.3 < moved[3] / moved[2] <= 1.5
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_plan_of_a_real_model_agrees_with_a_real_run(world_size: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("world_size", "group"), [(2, None), (4, 2)], ids=["2", "2x2"])
+def test_plan_of_a_real_model_agrees_with_a_real_run(world_size: int, group: int | None, tmp_path: Path) -> None:
+    """2x2: hybrid sharding, two shard groups of 2; the plan's traffic per group kind is the ledger's."""
+    options = {"shard_group_size": group, "unit_bucket_params": 0}
     results = run_ranks(
         "tests.test_budget:budget_run",
         world_size,
-        {"world_size": world_size, "stage": 3, "out": str(tmp_path)},
+        {"world_size": world_size, "stage": 3, "out": str(tmp_path), **options},
         timeout=240,
     )
     with torch.device("meta"):
         model = TinyGPT(**GPT)
     plan = plan_model(
         model,
-        ShardLabConfig(stage=Stage.PARAMETERS),
+        ShardLabConfig(stage=Stage.PARAMETERS, **options),
         world_size,
         "32-true",
         "adamw",
@@ -153,6 +155,11 @@ def test_plan_of_a_real_model_agrees_with_a_real_run(world_size: int, tmp_path: 
         assert measured["gathered_peak"] == plan.gathered_peak
         for kind in ("all_gather", "reduce_scatter"):
             assert result["report"]["comm_per_step"][kind]["bytes"] == plan.traffic[f"{kind}_bytes"]
+        by_scope = result["report"]["comm_per_step_by_scope"]
+        assert set(plan.traffic["by_scope"]) == ({"shard", "replica"} if group else {"world"})
+        for scope, kinds in plan.traffic["by_scope"].items():
+            for kind, (calls, nbytes) in kinds.items():
+                assert (by_scope[scope][kind]["calls"], by_scope[scope][kind]["bytes"]) == (calls, nbytes), scope
 
 
 def test_plan_of_70b_on_64_ranks_is_the_seeds_arithmetic(capsys: pytest.CaptureFixture) -> None:

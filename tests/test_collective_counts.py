@@ -8,6 +8,7 @@ next). With reshard_after_forward=False every unit is gathered once. Stages 1 an
 once and all-gather the updated shards once after the optimizer step. Every stage adds one all-reduce
 per optimizer step: which parameters got a gradient on any rank (find_unused_parameters, on by default).
 Under the strategy, every collective is preceded by its verification header (one all_gather_into_tensor).
+These count a unit per block (``unit_bucket_params=0``); buckets of small blocks: tests/test_buckets.py.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def count_per_step(stage: int, reshard_after_forward: bool = True, steps: int = 
     torch.manual_seed(0)
     model = OddNet()
     # builtin: each all-gather / reduce-scatter is one torch.distributed call, countable by name
-    config = ShardLabConfig(stage=stage, reshard_after_forward=reshard_after_forward, transport="builtin")
+    config = ShardLabConfig(
+        stage=stage, reshard_after_forward=reshard_after_forward, transport="builtin", unit_bucket_params=0
+    )
     sharded = shard_model(model, config, comm)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     shard_optimizer(optimizer, sharded)
@@ -100,7 +103,7 @@ def count_with_accumulation(stage: int, accumulation: str, optimizer_steps: int 
         accelerator="cpu",
         devices=world,
         strategy=ShardLabStrategy(
-            stage=stage, accumulation=accumulation, transport="builtin", sanity_every_n_steps=0
+            stage=stage, accumulation=accumulation, transport="builtin", sanity_every_n_steps=0, unit_bucket_params=0
         ),  # parameter traffic only
         max_steps=optimizer_steps,
         accumulate_grad_batches=2,
@@ -149,7 +152,7 @@ def profiled_step() -> list[str]:
     comm = init_from_env()
     torch.manual_seed(0)
     model = OddNet()
-    sharded = shard_model(model, ShardLabConfig(stage=3, transport="builtin"), comm)
+    sharded = shard_model(model, ShardLabConfig(stage=3, transport="builtin", unit_bucket_params=0), comm)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     shard_optimizer(optimizer, sharded)
     ((x, y),) = regression_batches(1, 2 * comm.world_size)

@@ -188,7 +188,8 @@ def part_ways(model: str, stage: int) -> dict:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ShardLabStrategy(stage=stage, unit_classes=units),
+        # swapped: two same-sized blocks, each its own unit (not one bucket)
+        strategy=ShardLabStrategy(stage=stage, unit_classes=units, unit_bucket_params=0),
         max_steps=4,
         logger=False,
         enable_checkpointing=False,

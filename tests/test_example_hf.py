@@ -83,7 +83,8 @@ def pretrained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_builds_from_a_config_with_one_unit_per_block_and_the_tied_head_in_the_root() -> None:
     model = HFGPT2(config=TINY_GPT2)
     assert model.model.lm_head.weight is model.model.transformer.wte.weight
-    layouts = plan_units(model, ShardLabConfig(), world_size=2).layouts()
+    assert list(plan_units(model, ShardLabConfig(), world_size=2).layouts()) == ["root"]  # tiny: one unit
+    layouts = plan_units(model, ShardLabConfig(unit_bucket_params=0), world_size=2).layouts()  # tiny: no buckets
     assert list(layouts) == ["root", "model.transformer.h.0", "model.transformer.h.1"]
     root_names = {slot.fqns for layout in layouts["root"] for slot in layout.slots}
     assert ("model.transformer.wte.weight", "model.lm_head.weight") in root_names  # one parameter, two names
@@ -180,7 +181,8 @@ def test_hf_config_trains_a_tiny_gpt2_from_scratch(tmp_path: Path) -> None:
     output = shardlab("fit", "--config", str(CONFIGS / "gpt2_hf_finetune_cpu.yaml"), *STEPS, cwd=tmp_path)
     assert_budget_printed(output, stage=3)
     budget = (tmp_path / "runs/logs/gpt2_hf_finetune/version_0/shardlab_budget.json").read_text()
-    assert "all_gather model.transformer.h.3" in budget  # the config's 4 blocks, one unit each
+    # the config's 4 small blocks hold fewer than unit_bucket_params parameters: one unit, one message each way
+    assert "all_gather root[float32]" in budget and "all_gather model.transformer.h" not in budget
     assert (tmp_path / "runs/gpt2_hf_finetune/gpt2.ckpt").exists()
 
 

@@ -1,4 +1,5 @@
-"""Launchers that are not ours: Lightning's own (the single-box proxy) and torchrun across two nodes.
+"""Launchers that are not ours: Lightning's own (the single-box proxy) and torchrun across two nodes (hybrid
+sharding: each node shards the model, ``shard_group_size="node"``, the nodes are replicas).
 
 Both run ``python -m tests.test_launchers MODE OUT``: Lightning's launcher re-runs that command for
 its other ranks, torchrun starts it on every rank; rank 0 writes its parity report to OUT.
@@ -23,8 +24,8 @@ def main(mode: str, out: str) -> None:
         report = gpt_parity(4, steps=6, devices=1, ranks_per_device=4)
     elif mode == "proxy_cuda":  # 2 ranks sharing one GPU: their collectives go through gloo
         report = gpt_parity(2, steps=6, accelerator="cuda", devices=1, ranks_per_device=2)
-    else:  # two torchrun nodes of 2 ranks
-        report = gpt_parity(4, steps=6, devices=2, num_nodes=2)
+    else:  # two torchrun nodes of 2 ranks, each node one shard group
+        report = gpt_parity(4, steps=6, devices=2, num_nodes=2, shard_group_size="node")
     if report:
         Path(out).write_text(json.dumps(report))
     # leave together: a rank still tearing down when rank 0's store goes away would abort
@@ -43,7 +44,7 @@ def test_proxy_world_of_four_on_one_device_passes_stage3_parity(tmp_path: Path) 
     assert report["world_size"] == 4 and len(report["losses"]) == 6
 
 
-def test_two_torchrun_nodes_pass_stage3_parity(tmp_path: Path) -> None:
+def test_two_torchrun_nodes_shard_within_the_node_and_pass_stage3_parity(tmp_path: Path) -> None:
     out, port = tmp_path / "report.json", free_port()
     node = [
         sys.executable,
@@ -63,6 +64,7 @@ def test_two_torchrun_nodes_pass_stage3_parity(tmp_path: Path) -> None:
     )
     report = json.loads(out.read_text())
     assert report["world_size"] == 4 and len(report["losses"]) == 6
+    assert report["shard_group"] == [0, 1] and report["replicas"] == 2  # rank 0's node
 
 
 if __name__ == "__main__":

@@ -26,7 +26,12 @@ OPTIMIZERS = {
 
 
 def core_parity(
-    stage: int, steps: int = 10, local_batch: int = 3, reshard_after_forward: bool = True, transport: str = "auto"
+    stage: int,
+    steps: int = 10,
+    local_batch: int = 3,
+    reshard_after_forward: bool = True,
+    transport: str = "auto",
+    unit_bucket_params: int = 1_000_000,
 ) -> dict:
     """Worker: train OddNet sharded and unsharded with each optimizer; assert equality every step."""
     comm = init_from_env()
@@ -35,7 +40,12 @@ def core_parity(
         torch.manual_seed(0)
         reference = OddNet()
         model = copy.deepcopy(reference)
-        config = ShardLabConfig(stage=stage, reshard_after_forward=reshard_after_forward, transport=transport)
+        config = ShardLabConfig(
+            stage=stage,
+            reshard_after_forward=reshard_after_forward,
+            transport=transport,
+            unit_bucket_params=unit_bucket_params,
+        )
         sharded = shard_model(model, config, comm)
         optimizer = make_optimizer(model.parameters())
         shard_optimizer(optimizer, sharded)
@@ -67,13 +77,16 @@ def core_parity(
     return report
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_stage3_matches_unsharded_reference_every_step(world_size: int) -> None:
-    reports = run_ranks("tests.test_parity:core_parity", world_size, {"stage": 3}, timeout=180)
+@pytest.mark.parametrize(("world_size", "buckets"), [(1, True), (2, False), (3, True), (4, False)])
+def test_stage3_matches_unsharded_reference_every_step(world_size: int, buckets: bool) -> None:
+    kwargs = {"stage": 3} if buckets else {"stage": 3, "unit_bucket_params": 0}
+    reports = run_ranks("tests.test_parity:core_parity", world_size, kwargs, timeout=180)
     for report in reports:
         assert set(report) == {"adamw", "sgd"}
-        # the default policy made each block and each gate a unit; the rest is the root unit
-        assert report["adamw"]["units"] == ["root", "blocks.0", "blocks.1", "gates.0", "gates.1"]
+        # by default containers of blocks smaller than unit_bucket_params make no units (one unit: the root);
+        # with unit_bucket_params=0 each block and each gate is a unit; the rest is the root unit
+        per_block = ["root", "blocks.0", "blocks.1", "gates.0", "gates.1"]
+        assert report["adamw"]["units"] == (["root"] if buckets else per_block)
 
 
 def test_stage3_keep_gathered_after_forward_matches_reference() -> None:

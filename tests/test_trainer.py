@@ -61,10 +61,11 @@ def gpt_parity(
     local_batch: int = 2,
     optimizer: str = "adamw",
     ranks_per_device: int = 1,
+    shard_group_size: int | str | None = None,
     **trainer_kwargs,
 ) -> dict:
     """Fit sharded, then (rank 0) check losses and weights against the unsharded reference."""
-    strategy = ShardLabStrategy(stage=stage, ranks_per_device=ranks_per_device)
+    strategy = ShardLabStrategy(stage=stage, ranks_per_device=ranks_per_device, shard_group_size=shard_group_size)
     trainer, model, reference, data = fit_gpt(strategy, world_size, steps, local_batch, optimizer, **trainer_kwargs)
     assert trainer.world_size == world_size
     state = trainer.strategy.full_state_dict()
@@ -82,7 +83,13 @@ def gpt_parity(
     for key, value in ref_state.items():
         assert state[key].device.type == "cpu"
         assert_close(state[key], value, **FP32, msg=key)
-    return {"losses": losses.tolist(), "world_size": trainer.world_size}
+    mesh = trainer.strategy.sharded.mesh
+    return {
+        "losses": losses.tolist(),
+        "world_size": trainer.world_size,
+        "shard_group": list(mesh.shard.ranks or range(trainer.world_size)),
+        "replicas": mesh.replica.world_size,
+    }
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -57,7 +57,7 @@ def vitals_fit(out: str, steps: int = 20) -> dict:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=3,
-        strategy=ShardLabStrategy(stage=3),
+        strategy=ShardLabStrategy(stage=3, unit_bucket_params=0),  # a panel per block
         max_steps=steps,
         callbacks=[vitals],
         logger=CSVLogger(out, name="csv"),

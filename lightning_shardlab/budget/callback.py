@@ -5,7 +5,9 @@ the peak of gathered units, and what the collectives recorded (calls, bytes, sec
 their share of the step). Every ``log_every_n_steps`` the ranks' figures go to Lightning's logger
 (``shardlab/rank{r}/...``). When ``fit`` ends it prints the tables, each measured figure beside what
 budget/predict.py predicts from the layout, and writes ``shardlab_budget.json`` beside the logs. Per-step
-communication is the steady state: the first optimizer step is a warm-up and left out.
+communication is the steady state: the first optimizer step is a warm-up and left out. A hybrid or
+regrouped run (comm/mesh.py) also gets its communication by group: inside shard groups, across them,
+inside reshard groups (``comm_per_step_by_scope``, set beside the prediction's ``by_scope``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rich.table import Table
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, measure_memory
 from lightning_shardlab.budget.predict import OptimizerShape, predict_gathered_peak, predict_memory, predict_traffic
 from lightning_shardlab.comm import collectives
+from lightning_shardlab.comm.mesh import SCOPES
 from lightning_shardlab.config import Accumulation
 from lightning_shardlab.display import mib, print_table
 from lightning_shardlab.sharding.sharded_model import ShardedModel, sharded_model_of
@@ -143,9 +146,9 @@ class ShardLabBudget(L.Callback):
             for i in range(3):
                 self.validation[key][i] += now[i] - before[i]
 
-    def _training_traffic(self, ledger: Any) -> dict[tuple[str, str], tuple[float, float, float]]:
+    def _training_traffic(self, ledger: Any) -> dict[tuple[str, str, str], tuple[float, float, float]]:
         out = {}
-        for key, t in ledger.by_label.items():
+        for key, t in ledger.by_call.items():
             v = self.validation.get(key, (0, 0, 0.0))
             out[key] = (t.count - v[0], t.bytes - v[1], t.seconds - v[2])
         return out
@@ -238,27 +241,21 @@ class ShardLabBudget(L.Callback):
         if self._warmed_up and run.step == self._first_step:  # the warm-up was the only step
             training, step_seconds = self._warm_up
         layouts = [fp.layout for fp in sharded.flat_params]
-        units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.units}
+        units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.forward_order}  # as they ran
         optimizer = OptimizerShape.of(run.optimizers[0]) if run.optimizers else None
-        micro = run.micro_batches
+        mesh = sharded.mesh
+        reshard = mesh.reshard.world_size if mesh.regrouped else None
         traffic = predict_traffic(
             units,
             sharded.config.stage,
             sharded.policy,
-            micro,
+            run.micro_batches,
             sharded.config.accumulation is Accumulation.REDUCE,
             sharded.config.reshard_after_forward,
+            replicas=mesh.replica.world_size,
+            reshard_size=reshard,
         )
-        comm: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0.0, "bytes": 0.0, "seconds": 0.0})
-        by_unit = {}
-        for (kind, label), (count, nbytes, seconds) in training.items():
-            if count == 0:
-                continue
-            per_step = {"calls": count / steps, "bytes": nbytes / steps, "seconds": seconds / steps}
-            by_unit[f"{kind} {label}"] = per_step
-            for k, v in per_step.items():
-                comm[kind][k] += v
-        comm = dict(comm)
+        comm, by_scope, by_unit = self._per_step(training, steps)
         return {
             "rank": sharded.comm.rank,
             "world_size": sharded.comm.world_size,
@@ -267,16 +264,38 @@ class ShardLabBudget(L.Callback):
             "optimizer_steps": steps,
             "memory_measured": {k: self.last[k] for k in (*MEMORY_CATEGORIES, "gathered_peak")},
             "memory_predicted": {
-                **predict_memory(layouts, sharded.config.stage, sharded.policy, sharded.comm.rank, optimizer),
-                "gathered_peak": predict_gathered_peak(units, sharded.config.stage, sharded.policy),
+                **predict_memory(layouts, sharded.config.stage, sharded.policy, mesh.shard.rank, optimizer),
+                "gathered_peak": predict_gathered_peak(units, sharded.config.stage, sharded.policy, reshard),
             },
             "process_peak_bytes": process_peak_bytes(sharded.comm.device),
             "comm_per_step": comm,
+            "comm_per_step_by_scope": by_scope,
             "comm_per_step_by_unit": by_unit,
             "comm_predicted_per_step": vars(traffic),
             "step_seconds": step_seconds / steps,
             "comm_share_of_step": sum(c["seconds"] for c in comm.values()) / max(step_seconds / steps, 1e-12),
         }
+
+    @staticmethod
+    def _per_step(training: dict[tuple[str, str, str], tuple[float, float, float]], steps: int) -> tuple[dict, ...]:
+        """The measured calls, bytes and seconds per step: by kind, by scope then kind, and by call ("kind
+        label", with the scope first when it is not "world": one label may travel in several groups)."""
+
+        def zero() -> dict[str, float]:
+            return {"calls": 0.0, "bytes": 0.0, "seconds": 0.0}
+
+        comm: dict[str, dict[str, float]] = defaultdict(zero)
+        by_scope: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(zero))
+        by_unit: dict[str, dict[str, float]] = defaultdict(zero)
+        for (scope, kind, label), (count, nbytes, seconds) in training.items():
+            if count == 0:
+                continue
+            name = f"{kind} {label}" if scope == "world" else f"{scope} {kind} {label}"
+            per_step = {"calls": count / steps, "bytes": nbytes / steps, "seconds": seconds / steps}
+            for entry in (comm[kind], by_scope[scope][kind], by_unit[name]):
+                for k, v in per_step.items():
+                    entry[k] += v
+        return dict(comm), {scope: dict(kinds) for scope, kinds in by_scope.items()}, dict(by_unit)
 
     def _print(self, everyone: list[dict[str, Any]], sharded: Any) -> None:
         first = everyone[0]
@@ -310,3 +329,23 @@ class ShardLabBudget(L.Callback):
                 share = c["seconds"] / max(r["step_seconds"], 1e-12)
                 comm.add_row(str(r["rank"]), kind, calls, moved, f"{c['seconds']:.4f}", f"{share:.1%}")
         print_table(self.console, comm)
+        if any(scope != "world" for r in everyone for scope in r["comm_per_step_by_scope"]):
+            self._print_by_scope(everyone)
+
+    def _print_by_scope(self, everyone: list[dict[str, Any]]) -> None:
+        """Hybrid or regrouped runs: the same calls by the group they ran in (comm/mesh.py's scopes)."""
+        table = Table(
+            title="shardlab budget: communication per optimizer step by group, full-tensor MiB, measured (predicted)"
+        )
+        for col in ("rank", "group", "collective", "calls", "MiB", "seconds waiting"):
+            table.add_column(col, justify="right")
+        for r in everyone:
+            predicted = r["comm_predicted_per_step"].get("by_scope", {})
+            for scope, kinds in sorted(r["comm_per_step_by_scope"].items()):
+                for kind, c in sorted(kinds.items()):
+                    p = predicted.get(scope, {}).get(kind)
+                    calls = f"{c['calls']:.1f}" + (f" ({p[0]})" if p is not None else "")
+                    moved = mib(c["bytes"]) + (f" ({mib(p[1])})" if p is not None else "")
+                    group = f"{scope}: {SCOPES.get(scope, scope)}"
+                    table.add_row(str(r["rank"]), group, kind, calls, moved, f"{c['seconds']:.4f}")
+        print_table(self.console, table)

@@ -6,7 +6,14 @@ precision, optimizer and an interconnect (a named preset, or ``local``: measured
 ranks), it prints per-rank bytes by category, bytes moved per step, the lower-bound communication
 time, and — given tokens per step and a device — whether that time can hide behind compute.
 
+Hybrid sharding (``--shard-group-size G``): each shard group of G ranks shards the model as a world of G
+would (per-rank bytes at N = G), and the R = W / G groups all-reduce their gradient shards across each
+other; ``--intra`` and ``--inter`` name the link inside a group and the link across groups, and the time
+on each is shown apart. ``--reshard-after-forward K`` (stage 3) keeps 1/K of each unit between forward and
+backward, so backward gathers inside K ranks.
+
     shardlab plan --params 70e9 --world-size 64 --stage 3
+    shardlab plan --params 70e9 --world-size 64 --shard-group-size 8 --intra nvlink --inter infiniband
     shardlab plan --model lightning_shardlab.examples.gpt.GPT --init-args '{"n_layer": 12}' --world-size 8
     shardlab plan --config configs/gpt_finetune_cpu.yaml --world-size 4 --json
 """
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +39,7 @@ from lightning_shardlab.budget.predict import (
     Interconnect,
     OptimizerShape,
     Traffic,
+    file_call,
     predict_gathered_peak,
     predict_memory,
     predict_traffic,
@@ -50,13 +59,18 @@ class Plan:
     world_size: int
     stage: int
     precision: str
-    memory_per_rank: dict[str, float]  # the fullest rank's bytes by category
+    memory_per_rank: dict[str, float]  # the fullest rank's bytes by category (sharded over its shard group)
     per_rank: list[dict[str, float]]  # every rank's (up to 64), for comparing with a real run
     unsharded_bytes: float  # model state on one device (DDP)
     gathered_peak: int
-    traffic: dict[str, int]  # per optimizer step, full-tensor bytes
-    interconnect: str
-    comm_seconds: float  # lower bound on that interconnect
+    traffic: dict[str, Any]  # per optimizer step, full-tensor bytes; by_scope: {scope: {kind: [calls, bytes]}}
+    shard_group_size: int  # G: the ranks that shard the model between them (the world, unless hybrid)
+    replicas: int  # R = world_size / G shard groups, each a replica of the others
+    reshard_size: int | None  # k: backward all-gathers inside reshard groups of k ranks (reshard_after_forward=k)
+    interconnect: str  # the link inside shard groups (every link, unless hybrid)
+    links: dict[str, str]  # {"intra": the link inside shard groups, "inter": the link across them}
+    link_seconds: dict[str, float]  # lower bound on each link
+    comm_seconds: float  # their sum
     compute_seconds: float | None = None
 
     @property
@@ -64,38 +78,94 @@ class Plan:
         return sum(v for k, v in self.memory_per_rank.items() if k != "padding")
 
 
-def comm_seconds(traffic: Traffic, world_size: int, link: Interconnect) -> float:
-    """Ring lower bound: (N-1)/N of every full tensor crosses the link, plus N-1 latencies per call."""
-    if world_size == 1:
-        return 0.0
-    calls = traffic.all_gather_calls + traffic.reduce_scatter_calls
-    return link.ring_seconds(traffic.bytes, world_size) + (calls - 1) * (world_size - 1) * link.latency
+def link_seconds(
+    traffic: Traffic, group: int, reshard: int | None, replicas: int, intra: Interconnect, inter: Interconnect
+) -> dict[str, float]:
+    """Ring lower bounds per link. Intra: the shard groups' all-gathers and reduce-scatters at G ranks (and
+    the reshard groups' at k): (N-1)/N of every full tensor crosses, plus N-1 latencies per call. Inter: the
+    all-reduces of gradient shards across the R replicas: 2 (R-1)/R of every shard, 2 (R-1) latencies."""
+
+    def ring(scopes: tuple[str, ...], ranks: int) -> float:
+        return intra.ring_seconds(traffic.scope_bytes(*scopes), ranks, traffic.scope_calls(*scopes))
+
+    inside = ring(("world", "shard"), group) + (ring(("reshard",), reshard) if reshard else 0.0)
+    across = inter.all_reduce_seconds(traffic.scope_bytes("replica"), replicas, traffic.scope_calls("replica"))
+    return {"intra": inside, "inter": across}
+
+
+def _groups(
+    traffic: Traffic, group: int, reshard: int | None, replicas: int, intra: Interconnect, inter: Interconnect
+) -> dict[str, Any]:
+    """The Plan fields that say how the ranks are grouped, and the time on each link."""
+    seconds = link_seconds(traffic, group, reshard, replicas, intra, inter)
+    return {
+        "traffic": vars(traffic),
+        "shard_group_size": group,
+        "replicas": replicas,
+        "reshard_size": reshard,
+        "interconnect": intra.name,
+        "links": {"intra": intra.name, "inter": inter.name},
+        "link_seconds": seconds,
+        "comm_seconds": sum(seconds.values()),
+    }
+
+
+def zero_traffic(
+    params: float, stage: Stage, precision: str, group: int, reshard: int | None, replicas: int
+) -> Traffic:
+    """From a parameter count: one call per collective kind and pass (no layout, no padding). Stage 3
+    gathers before forward and again before backward (inside the reshard group with k); stages 1-2 after the
+    step; one reduce-scatter, and, hybrid, one all-reduce of its shard (1/G of it) across the replicas."""
+    mixed = COMPUTE[precision] is not None
+    w = 2 if mixed or precision == "bf16-true" else 4
+    r = 4 if mixed else w  # gradients reduce in fp32 under mixed precision
+    scope = "shard" if replicas > 1 else "world"
+    by_scope: dict[str, dict[str, list[int]]] = {}
+    if group > 1:
+        file_call(by_scope, scope, "all_gather", 1, int(w * params))
+        if stage is Stage.PARAMETERS:
+            file_call(by_scope, "reshard" if reshard else scope, "all_gather", 1, int(w * params))
+        file_call(by_scope, scope, "reduce_scatter", 1, int(r * params))
+    if replicas > 1:
+        file_call(by_scope, "replica", "all_reduce", 1, int(r * params / group))
+    return Traffic.of(by_scope)
 
 
 def plan_params(
-    params: float, world_size: int, stage: Stage, precision: str, optimizer: str, link: Interconnect
+    params: float,
+    world_size: int,
+    stage: Stage,
+    precision: str,
+    optimizer: str,
+    link: Interconnect,
+    *,
+    inter: Interconnect | None = None,
+    config: ShardLabConfig | None = None,
+    per_node: int | None = None,
 ) -> Plan:
-    """From a parameter count: the ZeRO table (no layout, so no padding and one call per collective kind)."""
+    """From a parameter count: the ZeRO table at N = G, the shard group size of ``config`` (its
+    ``shard_group_size`` and ``reshard_after_forward``; default: the world shards the model), ``link`` inside
+    shard groups, ``inter`` (default ``link``) across them. Raises ``ValueError`` naming the option unless
+    the groups tile the world."""
+    config = config or ShardLabConfig(stage=stage)
+    group, reshard = config.group_sizes(world_size, per_node or world_size)
     mixed = COMPUTE[precision] is not None
     shape = OptimizerShape.named(optimizer)
-    memory = zero_table_bytes(params, world_size, stage, mixed, shape)
+    memory = zero_table_bytes(params, group, stage, mixed, shape)
     unsharded = sum(zero_table_bytes(params, 1, Stage.PARAMETERS, mixed, shape).values())
-    w = 2 if mixed or precision == "bf16-true" else 4
-    gathers = 2 if stage is Stage.PARAMETERS else 1  # stage 3: forward and backward; 1-2: after the step
-    traffic = Traffic(gathers, int(gathers * w * params), 1, int((4 if mixed else w) * params))
+    replicas = world_size // group
+    traffic = zero_traffic(params, stage, precision, group, reshard, replicas)
     return Plan(
-        "parameter count (ZeRO table)",
-        int(params),
-        world_size,
-        int(stage),
-        precision,
-        {**memory, "padding": 0.0},
-        [],
-        unsharded,
-        0,
-        vars(traffic),
-        link.name,
-        comm_seconds(traffic, world_size, link),
+        source="parameter count (ZeRO table)",
+        params=int(params),
+        world_size=world_size,
+        stage=int(stage),
+        precision=precision,
+        memory_per_rank={**memory, "padding": 0.0},
+        per_rank=[],
+        unsharded_bytes=unsharded,
+        gathered_peak=0,
+        **_groups(traffic, group, reshard, replicas, link, inter or link),
     )
 
 
@@ -107,31 +177,43 @@ def plan_model(
     optimizer: str,
     link: Interconnect,
     source: str,
+    *,
+    inter: Interconnect | None = None,
+    per_node: int | None = None,
 ) -> Plan:
-    """From a real (meta-device) model: its unit layout at ``world_size``, the same arithmetic the ledger
-    sets against what a run measures."""
-    units = plan_units(model, config, world_size).layouts()
+    """From a real (meta-device) model: its unit layout at the shard group size G (``config.group_sizes``: the
+    world unless hybrid), the same arithmetic the ledger sets against what a run measures. Rank r holds what
+    rank r mod G of its shard group holds."""
+    group, reshard = config.group_sizes(world_size, per_node or world_size)
+    replicas = world_size // group
+    units = plan_units(model, config, group).layouts()
     layouts = [lay for lays in units.values() for lay in lays]
     policy = PrecisionPolicy(COMPUTE[precision], DTYPES[config.reduce_dtype] if config.reduce_dtype else None)
     shape = OptimizerShape.named(optimizer)
-    per_rank = [predict_memory(layouts, config.stage, policy, r, shape) for r in range(min(world_size, 64))]
-    fullest = max(per_rank, key=lambda m: sum(m.values()))
+    in_group = [predict_memory(layouts, config.stage, policy, r, shape) for r in range(min(group, 64))]
+    per_rank = [in_group[r % group] for r in range(min(world_size, 64))]
+    fullest = max(in_group, key=lambda m: sum(m.values()))
     single = [lay for lays in plan_units(model, config, 1).layouts().values() for lay in lays]
     unsharded = sum(v for k, v in predict_memory(single, Stage.PARAMETERS, policy, 0, shape).items() if k != "padding")
-    traffic = predict_traffic(units, config.stage, policy, reshard_after_forward=config.reshard_after_forward)
+    traffic = predict_traffic(
+        units,
+        config.stage,
+        policy,
+        reshard_after_forward=config.reshard_after_forward,
+        replicas=replicas,
+        reshard_size=reshard,
+    )
     return Plan(
-        source,
-        sum(lay.numel for lay in layouts),
-        world_size,
-        int(config.stage),
-        precision,
-        fullest,
-        per_rank,
-        unsharded,
-        predict_gathered_peak(units, config.stage, policy),
-        vars(traffic),
-        link.name,
-        comm_seconds(traffic, world_size, link),
+        source=source,
+        params=sum(lay.numel for lay in layouts),
+        world_size=world_size,
+        stage=int(config.stage),
+        precision=precision,
+        memory_per_rank=fullest,
+        per_rank=per_rank,
+        unsharded_bytes=unsharded,
+        gathered_peak=predict_gathered_peak(units, config.stage, policy, reshard),
+        **_groups(traffic, group, reshard, replicas, link, inter or link),
     )
 
 
@@ -208,7 +290,19 @@ def _gb(n: float) -> str:
     return size(n, decimal=True)  # as hardware is sold
 
 
+def _grouping(plan: Plan) -> str:
+    """'64 ranks = 8 shard groups x 8 ranks' (hybrid), or '64 ranks'; with reshard groups of k."""
+    text = f"{plan.world_size} ranks"
+    if plan.replicas > 1:
+        text += f" = {plan.replicas} shard groups x {plan.shard_group_size} ranks"
+    if plan.reshard_size:
+        text += f", backward gathers in reshard groups of {plan.reshard_size}"
+    return text
+
+
 def print_plan(plan: Plan, console: Console) -> None:
+    """Per-rank bytes, bytes moved per step inside and across groups, and the time on each link."""
+    traffic = Traffic(**plan.traffic)
     table = Table(title=f"shardlab plan: {plan.source}")
     table.add_column("")
     table.add_column("per rank", justify="right")
@@ -218,19 +312,38 @@ def print_plan(plan: Plan, console: Console) -> None:
     table.add_row("unsharded (one device)", _gb(plan.unsharded_bytes))
     if plan.gathered_peak:
         table.add_row("gathered units at peak", _gb(plan.gathered_peak))
-    table.add_row(
-        "moved per step (full tensors)", _gb(plan.traffic["all_gather_bytes"] + plan.traffic["reduce_scatter_bytes"])
-    )
-    table.add_row(f"communication >= ({plan.interconnect})", f"{plan.comm_seconds * 1e3:,.1f} ms")
+    hybrid = plan.replicas > 1
+    inside = "moved per step in each shard group (full tensors)" if hybrid else "moved per step (full tensors)"
+    table.add_row(inside, _gb(traffic.scope_bytes("world", "shard")))
+    if plan.reshard_size:
+        table.add_row("moved per step in each reshard group (full tensors)", _gb(traffic.scope_bytes("reshard")))
+    if hybrid:
+        table.add_row("moved per step across shard groups (all-reduced shards)", _gb(traffic.scope_bytes("replica")))
+        table.add_row(f"intra-group link >= ({plan.links['intra']})", _ms(plan.link_seconds["intra"]))
+        table.add_row(f"inter-group link >= ({plan.links['inter']})", _ms(plan.link_seconds["inter"]))
+        table.add_row("communication >= (both links)", _ms(plan.comm_seconds))
+    else:
+        table.add_row(f"communication >= ({plan.interconnect})", _ms(plan.comm_seconds))
     if plan.compute_seconds is not None:
         verdict = "hides behind compute" if plan.comm_seconds <= plan.compute_seconds else "exceeds compute"
-        table.add_row("compute per step (estimate)", f"{plan.compute_seconds * 1e3:,.1f} ms")
+        table.add_row("compute per step (estimate)", _ms(plan.compute_seconds))
         table.add_row("communication", verdict)
     print_table(console, table)
-    console.print(f"{plan.params:,} parameters, stage {plan.stage}, {plan.world_size} ranks, {plan.precision}")
+    console.print(
+        f"{plan.params:,} parameters, stage {plan.stage}, {_grouping(plan)}, {plan.precision}", soft_wrap=True
+    )
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms"
 
 
 # ---- the command ----
+
+
+def group_size(text: str) -> int | str:
+    """``--shard-group-size``: a number of ranks, or 'node'."""
+    return text if text == "node" else int(text)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -244,7 +357,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", type=int, choices=(1, 2, 3), help="default: the config's, else 3")
     p.add_argument("--precision", choices=tuple(COMPUTE), help="default: the config's, else bf16-mixed")
     p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, rmsprop, adagrad, ... (default adamw)")
-    p.add_argument("--interconnect", default="nvlink", choices=(*INTERCONNECTS, "local"))
+    p.add_argument("--shard-group-size", type=group_size, help="hybrid: G ranks shard the model, or 'node'")
+    p.add_argument("--ranks-per-node", type=int, help="for --shard-group-size node (default: the world size)")
+    p.add_argument("--reshard-after-forward", type=int, metavar="K", help="stage 3: gather for backward in K ranks")
+    links = (*INTERCONNECTS, "local")
+    p.add_argument("--interconnect", default="nvlink", choices=links, help="every link (default nvlink)")
+    p.add_argument("--intra", choices=links, help="the link inside shard groups (default: --interconnect)")
+    p.add_argument("--inter", choices=links, help="the link across shard groups (default: --interconnect)")
     p.add_argument("--tokens-per-step", type=float, help="global tokens per optimizer step, for the compute estimate")
     p.add_argument("--device", choices=tuple(DEVICES), help="for the compute estimate")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation assumed for compute (default 0.4)")
@@ -252,29 +371,50 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _links(args: argparse.Namespace) -> tuple[Interconnect, Interconnect]:
+    """(intra, inter): the named presets, ``local`` measured once here."""
+    names = (args.intra or args.interconnect, args.inter or args.interconnect)
+    measured = measure_local_link() if "local" in names else None
+    intra, inter = (measured if name == "local" else INTERCONNECTS[name] for name in names)
+    return intra, inter
+
+
+def _strategy_options(strategy: dict[str, Any], args: argparse.Namespace) -> ShardLabConfig:
+    """The config's strategy options, with the command line's stage and groups over them."""
+    given = {
+        "stage": args.stage,
+        "shard_group_size": args.shard_group_size,
+        "reshard_after_forward": args.reshard_after_forward,
+    }
+    strategy = {**strategy, **{k: v for k, v in given.items() if v is not None}}
+    fields = ShardLabConfig.__dataclass_fields__
+    return ShardLabConfig(**{k: v for k, v in strategy.items() if k in fields and k != "unit_types"})
+
+
 def make_plan(args: argparse.Namespace) -> Plan:
-    link = measure_local_link() if args.interconnect == "local" else INTERCONNECTS[args.interconnect]
+    """The plan the command line asks for. Raises ``ValueError`` naming the option on a bad one."""
+    intra, inter = _links(args)
     if args.params is not None:
+        config = _strategy_options({"stage": 3}, args)
+        precision = args.precision or "bf16-mixed"
         plan = plan_params(
-            args.params, args.world_size, Stage(args.stage or 3), args.precision or "bf16-mixed", args.optimizer, link
-        )
+            args.params, args.world_size, config.stage, precision, args.optimizer, intra,
+            inter=inter, config=config, per_node=args.ranks_per_node,
+        )  # fmt: skip
     else:
         class_path, init_args, strategy, precision = (
             from_yaml(args.config) if args.config else (args.model, json.loads(args.init_args), {}, None)
         )
-        if args.stage:
-            strategy = {**strategy, "stage": args.stage}
-        config = ShardLabConfig(
-            **{k: v for k, v in strategy.items() if k in ShardLabConfig.__dataclass_fields__ and k != "unit_types"}
-        )
         plan = plan_model(
             meta_model(class_path, init_args),
-            config,
+            _strategy_options(strategy, args),
             args.world_size,
             args.precision or precision or "bf16-mixed",
             args.optimizer,
-            link,
+            intra,
             class_path,
+            inter=inter,
+            per_node=args.ranks_per_node,
         )
     if args.tokens_per_step and args.device:
         per_rank_tokens = args.tokens_per_step / args.world_size
@@ -284,7 +424,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    plan = make_plan(args)
+    try:
+        plan = make_plan(args)
+    except ValueError as err:
+        sys.exit(f"shardlab plan: error: {err}")
     if args.json:
         print(json.dumps(asdict(plan), indent=1))
     else:

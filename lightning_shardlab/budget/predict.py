@@ -10,7 +10,7 @@ The ZeRO table, per parameter, mixed precision with Adam: 2 B compute copy +
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -96,34 +96,96 @@ def predict_memory(
     return out
 
 
-def predict_gathered_peak(units: dict[str, list[FlatParamLayout]], stage: Stage, policy: PrecisionPolicy) -> int:
+def predict_gathered_peak(
+    units: dict[str, list[FlatParamLayout]], stage: Stage, policy: PrecisionPolicy, reshard_size: int | None = None
+) -> int:
     """Stage 3: bytes of gathered full buffers at the busiest moment: the root (held for the step) plus
     two neighbouring units — one computing, the next prefetched (forward order taken as the units' order,
-    which is registration order). 0 at stages 1-2, whose full buffers are counted in ``params``."""
+    which is registration order). 0 at stages 1-2, whose full buffers are counted in ``params``.
+
+    ``reshard_size`` k (``reshard_after_forward=k``): each unit that ran forward also keeps its group shards
+    (padded_numel / k of each flat parameter) until its backward gathers from them. The busiest moment is
+    then a backward one: unit i+1 computing, unit i prefetched (its group shards still held while its
+    all-gather is in flight), the group shards of every unit before it still held: root + full(i+1) +
+    full(i) + group shards(units 0..i). With i+1 the last unit (kept gathered, never regrouped) that is
+    the start of backward."""
     if stage is not Stage.PARAMETERS:
         return 0
 
-    def size(lays: list[FlatParamLayout]) -> int:
-        return sum(lay.padded_numel * policy.compute_for(lay.dtype).itemsize for lay in lays if lay.world_size > 1)
+    def size(lays: list[FlatParamLayout], parts: int = 1) -> int:
+        return sum(
+            lay.padded_numel // parts * policy.compute_for(lay.dtype).itemsize for lay in lays if lay.world_size > 1
+        )
 
     root = size(units.get("root", []))
-    others = [size(lays) for name, lays in units.items() if name != "root"]
-    pairs = [a + b for a, b in zip(others, others[1:])] or others
-    return root + max(pairs, default=0)
+    others = [lays for name, lays in units.items() if name != "root"]
+    full = [size(lays) for lays in others]
+    if reshard_size is None:
+        pairs = [a + b for a, b in zip(full, full[1:])] or full
+        return root + max(pairs, default=0)
+    kept = [size(lays, reshard_size) for lays in others]
+    moments = [full[i] + full[i + 1] + sum(kept[: i + 1]) for i in range(len(full) - 1)] or full
+    return root + max(moments, default=0)
 
 
 @dataclass(frozen=True)
 class Traffic:
-    """Collectives per optimizer step: calls and bytes of the full (gathered / reduced) tensors."""
+    """Collectives per optimizer step: calls and bytes of the full (gathered / reduced) tensors.
+
+    The totals count every all-gather and reduce-scatter, whichever group it runs in. ``by_scope`` files
+    each call as the ledger does, {scope: {kind: [calls, bytes]}} (scopes: comm/mesh.py): "world" with plain
+    sharding, "shard" for the all-gathers and reduce-scatters inside shard groups and "replica" for the
+    all-reduce of each gradient shard across them (hybrid), "reshard" for backward all-gathers inside
+    reshard groups (``reshard_after_forward=k``)."""
 
     all_gather_calls: int = 0
     all_gather_bytes: int = 0
     reduce_scatter_calls: int = 0
     reduce_scatter_bytes: int = 0
+    by_scope: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
         return self.all_gather_bytes + self.reduce_scatter_bytes
+
+    @staticmethod
+    def of(by_scope: dict[str, dict[str, list[int]]]) -> Traffic:
+        """The totals over scopes, from the calls filed by scope."""
+
+        def total(kind: str) -> tuple[int, int]:
+            entries = [kinds[kind] for kinds in by_scope.values() if kind in kinds]
+            return sum(calls for calls, _ in entries), sum(nbytes for _, nbytes in entries)
+
+        (ag_calls, ag_bytes), (rs_calls, rs_bytes) = total("all_gather"), total("reduce_scatter")
+        return Traffic(ag_calls, ag_bytes, rs_calls, rs_bytes, by_scope)
+
+    def scope_bytes(self, *scopes: str, kind: str | None = None) -> int:
+        """Bytes filed under any of ``scopes`` (of one ``kind``, or all)."""
+        return sum(nbytes for s in scopes for k, (_, nbytes) in self.by_scope.get(s, {}).items() if kind in (None, k))
+
+    def scope_calls(self, *scopes: str, kind: str | None = None) -> int:
+        """Calls filed under any of ``scopes`` (of one ``kind``, or all)."""
+        return sum(calls for s in scopes for k, (calls, _) in self.by_scope.get(s, {}).items() if kind in (None, k))
+
+
+def file_call(by_scope: dict[str, dict[str, list[int]]], scope: str, kind: str, calls: int, nbytes: int) -> None:
+    """Add ``calls`` calls moving ``nbytes`` in all to ``by_scope[scope][kind]`` (nothing when no call)."""
+    if calls:
+        entry = by_scope.setdefault(scope, {}).setdefault(kind, [0, 0])
+        entry[0] += calls
+        entry[1] += nbytes
+
+
+def _gathers(
+    name: str, last: str | None, stage: Stage, lay: FlatParamLayout, micro: int, reshard: bool
+) -> tuple[int, int]:
+    """(forward, backward) all-gathers of one flat parameter per optimizer step. Stage 3: before each
+    forward, and again before each backward unless the unit stayed gathered (the root, the unit that runs
+    forward last, or everything when not resharding after forward). Stages 1-2: once, after the step."""
+    if stage is not Stage.PARAMETERS:
+        return (1 if lay.requires_grad else 0), 0
+    once = name == "root" or not reshard or name == last
+    return micro, (0 if once else micro)
 
 
 def predict_traffic(
@@ -132,33 +194,37 @@ def predict_traffic(
     policy: PrecisionPolicy,
     micro_batches: int = 1,
     reduce_every_micro_batch: bool = True,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
+    *,
+    replicas: int = 1,
+    reshard_size: int | None = None,
 ) -> Traffic:
-    """Per optimizer step, in the steady state. Stage 3: all-gather each unit before forward and again
-    before backward (the root, and the unit that runs forward last, once per micro-batch), reduce-scatter
-    its gradient. Stages 1-2: reduce-scatter, then all-gather the updated shards after the step. Counts
-    the full tensor of each call, the size torch's collectives are given."""
-    ag_calls = ag_bytes = rs_calls = rs_bytes = 0
+    """Per optimizer step, in the steady state, for a shard group of the layouts' world size among
+    ``replicas`` such groups. Stage 3: all-gather each unit before forward and again before backward (the
+    root, and the unit that runs forward last, once per micro-batch), reduce-scatter its gradient. Stages
+    1-2: reduce-scatter, then all-gather the updated shards after the step. Counts the full tensor of each
+    call, the size torch's collectives are given. Hybrid (``replicas`` > 1): each reduction's shard is then
+    all-reduced across the replica group (shard_numel elements). ``reshard_size`` k: the backward all-gathers
+    run inside reshard groups of k ranks (the same full tensor)."""
+    by_scope: dict[str, dict[str, list[int]]] = {}
+    group = "shard" if replicas > 1 else "world"
+    backward_scope = "reshard" if reshard_size is not None and stage is Stage.PARAMETERS else group
     reductions = micro_batches if reduce_every_micro_batch else 1
     others = [name for name in units if name != "root"]
     last = others[-1] if others else None  # the forward order taken as the units' order
     for name, lays in units.items():
         for lay in lays:
-            if lay.world_size == 1:
-                continue
-            compute = policy.compute_for(lay.dtype)
-            reduce = policy.reduce_dtype or lay.dtype
-            if stage is Stage.PARAMETERS:  # the last unit stays gathered from its forward to its backward
-                once = name == "root" or not reshard_after_forward or name == last
-                gathers = micro_batches * (1 if once else 2)
-            else:
-                gathers = 1 if lay.requires_grad else 0
-            ag_calls += gathers
-            ag_bytes += gathers * lay.padded_numel * compute.itemsize
-            if lay.requires_grad:
-                rs_calls += reductions
-                rs_bytes += reductions * lay.padded_numel * reduce.itemsize
-    return Traffic(ag_calls, ag_bytes, rs_calls, rs_bytes)
+            compute = policy.compute_for(lay.dtype).itemsize
+            reduce = (policy.reduce_dtype or lay.dtype).itemsize
+            if lay.world_size > 1:
+                forward, backward = _gathers(name, last, stage, lay, micro_batches, bool(reshard_after_forward))
+                file_call(by_scope, group, "all_gather", forward, forward * lay.padded_numel * compute)
+                file_call(by_scope, backward_scope, "all_gather", backward, backward * lay.padded_numel * compute)
+                if lay.requires_grad:
+                    file_call(by_scope, group, "reduce_scatter", reductions, reductions * lay.padded_numel * reduce)
+            if lay.requires_grad and replicas > 1:
+                file_call(by_scope, "replica", "all_reduce", reductions, reductions * lay.shard_numel * reduce)
+    return Traffic.of(by_scope)
 
 
 def zero_table_bytes(
@@ -182,11 +248,17 @@ class Interconnect:
     bandwidth: float
     latency: float
 
-    def ring_seconds(self, nbytes: float, world_size: int) -> float:
-        """Lower bound for a ring all-gather / reduce-scatter of a ``nbytes`` full tensor: each rank sends
-        and receives (N-1)/N of it, in N-1 messages."""
+    def ring_seconds(self, nbytes: float, world_size: int, calls: int = 1) -> float:
+        """Lower bound for ``calls`` ring all-gathers / reduce-scatters of ``nbytes`` full tensors in all:
+        each rank sends and receives (N-1)/N of them, in N-1 messages per call."""
         n = world_size
-        return (n - 1) / n * nbytes / self.bandwidth + (n - 1) * self.latency
+        return (n - 1) / n * nbytes / self.bandwidth + calls * (n - 1) * self.latency
+
+    def all_reduce_seconds(self, nbytes: float, world_size: int, calls: int = 1) -> float:
+        """Lower bound for ``calls`` ring all-reduces of ``nbytes`` in all (a reduce-scatter, then an
+        all-gather): each rank sends and receives 2 (N-1)/N of them, in 2 (N-1) messages per call."""
+        n = world_size
+        return 2 * (n - 1) / n * nbytes / self.bandwidth + calls * 2 * (n - 1) * self.latency
 
 
 INTERCONNECTS = {

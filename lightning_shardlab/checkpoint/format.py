@@ -43,6 +43,8 @@ metadata.json::
 
     format, version            "shardlab-sharded", 1
     world_size, stage, precision, broadcast_buffers, module (class path)
+    replicas                   hybrid sharding: how many shard groups held these shards (the first wrote
+                               them; world_size is the shard group's size, the rank-state files the world's)
     state_dict_keys            the module's own ``state_dict()`` keys in order (what consolidation writes)
     flat_params[f]             name, unit, dtype, requires_grad, numel, padded_numel, slots (fqns: every
                                name of the parameter, tied ones have several; shape; offset), and

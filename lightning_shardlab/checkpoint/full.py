@@ -167,7 +167,7 @@ def full_optimizer_state(optimizer: Optimizer, sharded: ShardedModel) -> dict[st
                 if i in local["state"] and key in local["state"][i]:
                     shard[lo:hi] = local["state"][i][key].reshape(-1)
             full = torch.empty(fp.layout.padded_numel, dtype=shard.dtype, device=shard.device)
-            collectives.all_gather(full, shard, sharded.comm, label=f"optimizer state {fp.layout.name}")
+            collectives.all_gather(full, shard, sharded.mesh.shard, label=f"optimizer state {fp.layout.name}")
             if sharded.comm.rank == 0:
                 for i in members:
                     slot = fp.layout.slots[index[i][2]]

@@ -102,6 +102,7 @@ def _layout(reader: CheckpointReader) -> dict[str, Any]:
     return {
         "format_version": meta["version"],
         "world_size": world,
+        "replicas": meta.get("replicas", 1),  # hybrid sharding: shard groups that held these shards
         "stage": meta["stage"],
         "precision": meta["precision"],
         "module": meta["module"],
@@ -158,7 +159,9 @@ def render(info: dict[str, Any]) -> str:
         else "complete"
     )
     lines.append(
-        f"  {status}; saved at world size {info['world_size']}, stage {info['stage']}, precision"
+        f"  {status}; saved at world size {info['world_size']}"
+        + (f" (x {info['replicas']} replica groups)" if info.get("replicas", 1) > 1 else "")
+        + f", stage {info['stage']}, precision"
         f" {info['precision']}, module {info['module']}; {info['files']} data files, {size(info['bytes'])}"
         " (besides metadata.json and COMPLETE)"
     )

@@ -178,14 +178,17 @@ def _write_rank_files(
     agreed: list[dict[str, Any]],
     rank_paths: list[KeyPath],
 ) -> dict[str, Any]:
-    """2. This rank's files; ``{"files": {name: record}, "kinds": ...}`` or ``{"error": message}``."""
-    comm = sharded.comm
+    """2. This rank's files; ``{"files": {name: record}, "kinds": ...}`` or ``{"error": message}``. With
+    hybrid sharding the shard groups hold equal shards: the first group writes them, each shard once."""
+    comm, shard = sharded.comm, sharded.mesh.shard
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         states = checkpoint.get("optimizer_states", [])
         tensors, kinds = _shard_tensors(sharded, optimizers, states, agreed)
-        name = shard_file(comm.rank, comm.world_size)
-        files = {name: write_torch(tensors, tmp / name)}
+        files = {}
+        if sharded.mesh.replica.rank == 0:
+            name = shard_file(shard.rank, shard.world_size)
+            files[name] = write_torch(tensors, tmp / name)
         if rank_paths:
             values = [get_or_absent(checkpoint, p) for p in rank_paths]
             name = rank_state_file(comm.rank, comm.world_size)
@@ -256,7 +259,8 @@ def _metadata(
     return {
         "format": FORMAT,
         "version": VERSION,
-        "world_size": world,
+        "world_size": sharded.mesh.shard.world_size,  # the shards' N: the shard group's size (hybrid), else the world
+        "replicas": sharded.mesh.replica.world_size,  # shard groups that held the same shards (1: plain sharding)
         "stage": int(sharded.config.stage),
         "precision": precision,
         "broadcast_buffers": sharded.config.broadcast_buffers,
@@ -327,25 +331,32 @@ def load_model(sharded: ShardedModel, reader: CheckpointReader, buffers: Mapping
                 f"the checkpoint {reader.path} does not match {type(sharded.module).__name__}: missing {missing[:5]},"
                 f" unexpected {unexpected[:5]}. HINT: load a checkpoint of the same model, or set strict_loading=False."
             )
+    _check_shapes(sharded, reader)
     plan = []
     for fp in sharded.flat_params:
         for slot, (a, b) in _overlaps(fp):
             name = next((f for f in slot.fqns if f in reader.where), None)
-            if name is None:
-                continue  # strict=False and absent: keep its current values
-            saved_shape = reader.where[name][1].shape
-            if saved_shape != slot.shape:
-                raise ValueError(
-                    f"{name!r} has shape {tuple(saved_shape)} in the checkpoint {reader.path} but"
-                    f" {tuple(slot.shape)} in the model. HINT: load a checkpoint of the same model"
-                    " configuration."
-                )
-            plan.append((fp, fp.layout.slot_in_shard(slot, fp.rank), name, a, b))
+            if name is not None:  # strict=False and absent: keep its current values
+                plan.append((fp, fp.layout.slot_in_shard(slot, fp.rank), name, a, b))
     with torch.no_grad():
         for fp, (lo, hi), name, a, b in plan:
             fp.master[lo:hi].copy_(reader.read_param("master", name, a, b))
     sharded.refresh(set(sharded.flat_params))  # the compute copies: resident (stages 1-2) or gathered units
     sharded.module.load_state_dict({k: v for k, v in buffers.items() if k not in params}, strict=False)
+
+
+def _check_shapes(sharded: ShardedModel, reader: CheckpointReader) -> None:
+    """Every parameter's saved shape against the model's, in the same order on every rank (not only this
+    rank's shard), so every rank refuses with the same message."""
+    for fp in sharded.flat_params:
+        for slot in fp.layout.slots:
+            name = next((f for f in slot.fqns if f in reader.where), None)
+            saved = reader.where[name][1].shape if name is not None else slot.shape
+            if saved != slot.shape:
+                raise ValueError(
+                    f"{name!r} has shape {tuple(saved)} in the checkpoint {reader.path} but {tuple(slot.shape)} in"
+                    " the model. HINT: load a checkpoint of the same model configuration."
+                )
 
 
 def load_averages(sharded: ShardedModel, reader: CheckpointReader) -> bool:

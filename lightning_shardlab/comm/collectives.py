@@ -35,6 +35,7 @@ class CollectiveCall:
     label: str  # what it moves, e.g. the flat parameter "blocks.3[float32]"
     numel: int  # elements of the full (gathered / reduced) tensor; 0 for objects
     dtype: str
+    scope: str = "world"  # the kind of group it runs in (comm/mesh.py); each group numbers its own calls
 
     @property
     def fingerprint(self) -> tuple:
@@ -71,6 +72,12 @@ class Comm:
     wire: Wire | None = None
     header_exchange: HeaderExchange | None = None
     waiting: int = 0  # > 0 while this rank's main thread is blocked in one of these collectives (the watchdog reads it)
+    # the groups of a mesh (comm/mesh.py): which kind of group this is, its members' global ranks in group-rank
+    # order (None: the world), every group of its kind, and the world Comm it belongs to (None: it is the world)
+    scope: str = "world"
+    ranks: tuple[int, ...] | None = None
+    partition: tuple[tuple[int, ...], ...] | None = None
+    parent: Comm | None = None
 
     @property
     def backend(self) -> str:
@@ -98,34 +105,42 @@ class Comm:
     @contextmanager
     def blocking(self) -> Iterator[None]:
         """Mark a stretch in which the calling thread waits for other ranks (a hang shows as ``waiting``)."""
-        self.waiting += 1
+        root = self.parent or self  # one counter per rank, whichever group it waits in
+        root.waiting += 1
         try:
             yield
         finally:
-            self.waiting -= 1
+            root.waiting -= 1
+
+    def global_rank(self, rank: int) -> int:
+        """The world rank of this group's ``rank``."""
+        return rank if self.ranks is None else self.ranks[rank]
 
     def start(self, kind: str, label: str, tensor: Tensor | None) -> CollectiveCall:
         """A call is launched: it counts now, with the bytes of its full tensor (its seconds at ``finish``)."""
-        self.ledger.record_launch(kind, label, 0 if tensor is None else tensor.numel() * tensor.element_size())
+        self.ledger.record_launch(
+            kind, label, 0 if tensor is None else tensor.numel() * tensor.element_size(), self.scope
+        )
         call = CollectiveCall(
             self.seq,
             kind,
             label,
             0 if tensor is None else tensor.numel(),
             "object" if tensor is None else str(tensor.dtype).removeprefix("torch."),
+            self.scope,
         )
         self.seq += 1
         for observer in self.observers:
             observer.started(call)
         if self.header_exchange is not None:
             with self.blocking():
-                self.header_exchange.check(call, self.ledger)
+                self.header_exchange.check(call, self.ledger, self.scope)
         elif self.wire is not None:  # the headers travel with the call: two messages per peer
-            self.ledger.record_launch("verify", "", 2 * (self.world_size - 1) * HEADER * 8)
+            self.ledger.record_launch("verify", "", 2 * (self.world_size - 1) * HEADER * 8, self.scope)
         return call
 
     def finish(self, call: CollectiveCall, seconds: float) -> None:
-        self.ledger.record_seconds(call.kind, call.label, seconds)
+        self.ledger.record_seconds(call.kind, call.label, seconds, self.scope)
         for observer in self.observers:
             observer.finished(call, seconds)
 
@@ -136,11 +151,11 @@ def enable_verification(comm: Comm, limit_bytes: int = MIN_LIMIT, builtin: bool 
     else (NCCL, or ``builtin``) by a header exchange before each call. Collective for the header exchange
     (every rank, same point). Nothing to verify at world size 1. Returns the fingerprint codec."""
     if comm.world_size > 1 and comm.headers is None:
-        headers = Headers(comm.rank, comm.world_size)
+        headers = Headers(comm.rank, comm.world_size, comm.ranks)
         if comm.backend == "gloo" and not builtin:
             comm.wire = Wire(comm.group, comm.rank, comm.world_size, headers, limit_bytes)
         else:
-            comm.header_exchange = HeaderExchange.open(headers)
+            comm.header_exchange = HeaderExchange.open(headers, comm.partition)
     return comm.headers
 
 

@@ -29,6 +29,11 @@ class Ledger:
 
     by_kind: dict[str, CollectiveTotals] = field(default_factory=lambda: defaultdict(CollectiveTotals))
     by_label: dict[tuple[str, str], CollectiveTotals] = field(default_factory=lambda: defaultdict(CollectiveTotals))
+    # (scope, kind): the same calls by the kind of group they ran in (comm/mesh.py: world, shard, replica, reshard)
+    by_scope: dict[tuple[str, str], CollectiveTotals] = field(default_factory=lambda: defaultdict(CollectiveTotals))
+    by_call: dict[tuple[str, str, str], CollectiveTotals] = field(  # (scope, kind, label)
+        default_factory=lambda: defaultdict(CollectiveTotals)
+    )
 
     gathered_bytes: int = 0  # full buffers allocated right now by stage-3 unsharding
     gathered_peak: int = 0  # the most at once since the last reset_peak()
@@ -40,18 +45,24 @@ class Ledger:
     def reset_peak(self) -> None:
         self.gathered_peak = self.gathered_bytes
 
-    def record_launch(self, kind: str, label: str, nbytes: int) -> None:
+    def record_launch(self, kind: str, label: str, nbytes: int, scope: str = "world") -> None:
         self.by_kind[kind].add(nbytes)
         self.by_label[(kind, label)].add(nbytes)
+        self.by_scope[(scope, kind)].add(nbytes)
+        self.by_call[(scope, kind, label)].add(nbytes)
 
-    def record_seconds(self, kind: str, label: str, seconds: float) -> None:
+    def record_seconds(self, kind: str, label: str, seconds: float, scope: str = "world") -> None:
         self.by_kind[kind].seconds += seconds
         self.by_label[(kind, label)].seconds += seconds
+        self.by_scope[(scope, kind)].seconds += seconds
+        self.by_call[(scope, kind, label)].seconds += seconds
 
-    def snapshot(self) -> dict[tuple[str, str], tuple[int, int, float]]:
-        """(count, bytes, seconds) by (kind, label), to subtract a stretch (e.g. validation) later."""
-        return {key: (t.count, t.bytes, t.seconds) for key, t in self.by_label.items()}
+    def snapshot(self) -> dict[tuple[str, str, str], tuple[int, int, float]]:
+        """(count, bytes, seconds) by (scope, kind, label), to subtract a stretch (e.g. validation) later."""
+        return {key: (t.count, t.bytes, t.seconds) for key, t in self.by_call.items()}
 
     def reset(self) -> None:
         self.by_kind.clear()
         self.by_label.clear()
+        self.by_scope.clear()
+        self.by_call.clear()

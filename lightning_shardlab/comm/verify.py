@@ -90,8 +90,9 @@ def code(text: str) -> int:
 class Headers:
     """Fingerprints as headers and back, and the check of every rank's header against this rank's."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, ranks: tuple[int, ...] | None = None) -> None:
         self.rank, self.world_size = rank, world_size
+        self.ranks = ranks  # the world rank of each rank of this group (None: this group is the world)
         self.names: dict[int, str] = {}  # code -> string, for decoding other ranks' headers
         self._codes: dict[str, int] = {}
         self.explain: Explain | None = None  # set by whoever knows what the labels mean (the sharded model)
@@ -129,10 +130,11 @@ class Headers:
         mine = headers[self.rank][:COMPARED].tolist()
         if all(h[:COMPARED].tolist() == mine for h in headers.values()):
             return
-        each = {r: self._decode(h) for r, h in sorted(headers.items())}
+        world = (lambda r: r) if self.ranks is None else self.ranks.__getitem__  # noqa: E731  (ranks as users know them)
+        each = {world(r): self._decode(h) for r, h in sorted(headers.items())}
         seq = by_call(each)[0][0][0]
         hint = (self.explain(each) if self.explain is not None else None) or GENERIC_HINT
-        raise CollectiveMismatch(mismatch_message(self.rank, seq, each, "verified before it ran", hint))
+        raise CollectiveMismatch(mismatch_message(world(self.rank), seq, each, "verified before it ran", hint))
 
     def _decode(self, header: Tensor) -> Fingerprint:
         """The fingerprint a header stands for, read the same way on every rank (the label from its text)."""
@@ -152,15 +154,19 @@ class HeaderExchange:
         self._everyone = torch.empty(headers.world_size * HEADER, dtype=torch.int64)  # 1-D, world * HEADER
 
     @staticmethod
-    def open(headers: Headers) -> HeaderExchange:
-        """Collective (every rank, same point)."""
-        return HeaderExchange(dist.new_group(backend="gloo"), headers)
+    def open(headers: Headers, partition: tuple[tuple[int, ...], ...] | None = None) -> HeaderExchange:
+        """Collective (every rank, same point): a gloo group for the world, or for each group of ``partition``
+        (the groups of one kind of a mesh, comm/mesh.py), this rank's."""
+        if partition is None:
+            return HeaderExchange(dist.new_group(backend="gloo"), headers)
+        group, _ = dist.new_subgroups_by_enumeration([list(p) for p in partition], backend="gloo")
+        return HeaderExchange(group, headers)
 
-    def check(self, call: CollectiveCall, ledger: Ledger) -> None:
+    def check(self, call: CollectiveCall, ledger: Ledger, scope: str = "world") -> None:
         started = time.perf_counter()
         with phase("verify", call.label):
             dist.all_gather_into_tensor(self._everyone, self.headers.encode(call, 0), group=self.group)
-        ledger.record_launch("verify", "", self._everyone.numel() * self._everyone.element_size())
-        ledger.record_seconds("verify", "", time.perf_counter() - started)
+        ledger.record_launch("verify", "", self._everyone.numel() * self._everyone.element_size(), scope)
+        ledger.record_seconds("verify", "", time.perf_counter() - started, scope)
         rows = self._everyone.view(self.headers.world_size, HEADER)
         self.headers.check({r: rows[r] for r in range(self.headers.world_size)})

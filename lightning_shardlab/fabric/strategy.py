@@ -77,7 +77,6 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
         self.config, self.sanity_config = options_to_configs(**options)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision)
         self._backward_sync_control = _NoBackwardSync(self)
-        self.num_nodes = 1
         self.comm: Comm | None = None
         self.sharded: dict[int, ShardedModel] = {}  # id(module) -> its sharded model
         self._optimizers: dict[int, ShardedModel] = {}  # id(optimizer) -> the sharded model it steps
@@ -151,7 +150,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
         plugin = self.precision
         plugin.device_type = self.root_device.type
         before = [(weakref.ref(p), name) for name, p in module.named_parameters(remove_duplicate=False)]
-        sharded = shard_model(module, self.config, self.comm, plugin.policy(self.config.reduce_dtype))
+        sharded = shard_model(module, self.config, self.open_mesh(), plugin.policy(self.config.reduce_dtype))
         self.comm = sharded.comm
         if self.sanity_config.verify_collectives:
             sharded.verify_collectives()

@@ -9,7 +9,10 @@ of some replicated state has drifted. What must be identical between steps:
 - the full buffer of every flat parameter a rank holds in full between steps (stages 1-2: ``fp.full``;
   stage 3 holds no parameter in full between steps, only its own shard);
 - each optimizer's hyperparameters and step counters, per param group (a learning-rate schedule stepped on
-  one rank only, a ``lr`` edited on one rank).
+  one rank only, a ``lr`` edited on one rank);
+- with hybrid sharding (comm/mesh.py), every master shard among the ranks holding the same shard in each
+  shard group (its replica group): the groups are replicas, so a shard that differs across them is a
+  divergence, named with the rank, the parameter and the element.
 
 ``check_replicated`` hashes each of these to 16 bytes (``tensor_digest``: bit patterns, so one ulp counts),
 all-gathers the digests (one collective, 16 bytes per entry per rank) and, only when they differ,
@@ -24,7 +27,7 @@ import fnmatch
 import functools
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -55,7 +58,9 @@ class Replicated:
 
     name: str  # e.g. "buffer blocks.0.mask", "flat parameter blocks.0[float32]", "optimizer 0 group 1"
     value: Tensor | dict
-    flat_param: Any = None  # the FlatParam whose full buffer this is, to name the parameter of an element
+    flat_param: Any = None  # the FlatParam whose full buffer (or master shard) this is, to name an element
+    offset: int = 0  # where ``value`` starts in the flat parameter (a shard's start)
+    among_replicas: bool = False  # compared only among the ranks of each replica group (a master shard)
 
 
 def _words(t: Tensor) -> tuple[Tensor, Tensor]:
@@ -132,6 +137,9 @@ def replicated_state(
     for fp in sharded.flat_params:
         if fp.resident_full:
             out.append(Replicated(f"flat parameter {fp.layout.name}", fp.full, fp))
+    if sharded.mesh.hybrid:
+        for fp in sharded.flat_params:
+            out.append(Replicated(f"the master shard of {fp.layout.name}", fp.master, fp, among_replicas=True))
     for i, optimizer in enumerate(optimizers):
         for j, group in enumerate(optimizer.param_groups):
             out.append(
@@ -168,15 +176,27 @@ def check_replicated(
     everyone = torch.empty(comm.world_size * mine.numel(), dtype=torch.int64, device=comm.device)
     collectives.all_gather(everyone, mine, comm, label="sanity replicated state", kind="sanity")
     digests = everyone.view(comm.world_size, len(entries), 2).cpu()  # (world, entries, 2)
-    differs = (digests != digests[0]).any(dim=2).any(dim=0)  # (entries,)
-    if not bool(differs.any()):
-        return
-    i = int(differs.nonzero()[0])
-    entry = entries[i]
+    peers = sharded.mesh.replica.partition or ((),)  # replica group s holds shard s
+    for i, entry in enumerate(entries):
+        for s, ranks in enumerate(peers) if entry.among_replicas else [(None, tuple(range(comm.world_size)))]:
+            rows = digests[list(ranks), i]  # (ranks, 2)
+            if bool((rows != rows[0]).any()):
+                if s is not None:  # named as that shard, wherever this rank's own shard is
+                    layout = entry.flat_param.layout
+                    entry = replace(entry, name=f"master shard {s} of {layout.name}", offset=layout.shard_range(s)[0])
+                _name_divergence(sharded, entry, ranks, rows, when)
+
+
+def _name_divergence(sharded: ShardedModel, entry: Replicated, ranks: tuple[int, ...], rows: Tensor, when: str) -> None:
+    """Collective (every rank reaches it: the digests are the same everywhere): exchange the differing entry
+    and raise ``DivergenceError`` naming the odd rank(s) among ``ranks``, the entry and the first element."""
+    comm = sharded.comm
     value = entry.value.detach().cpu() if isinstance(entry.value, Tensor) else entry.value
-    values = collectives.all_gather_object(value, comm, label="sanity replicated state")
-    odd, reference = odd_ranks([tuple(d.tolist()) for d in digests[:, i]])
-    raise DivergenceError(divergence_message(comm.rank, entry, values, odd, reference, when))
+    everyone = collectives.all_gather_object(value, comm, label="sanity replicated state")
+    odd, reference = odd_ranks([tuple(d.tolist()) for d in rows])
+    among = ranks if entry.among_replicas else None
+    message = divergence_message(comm.rank, entry, [everyone[r] for r in ranks], odd, reference, when, among)
+    raise DivergenceError(message)
 
 
 def odd_ranks(keys: list[Any]) -> tuple[list[int], int]:
@@ -189,14 +209,26 @@ def odd_ranks(keys: list[Any]) -> tuple[list[int], int]:
 
 
 def divergence_message(
-    rank: int, entry: Replicated, values: list[Any], odd: list[int], reference: int, when: str
+    rank: int,
+    entry: Replicated,
+    values: list[Any],
+    odd: list[int],
+    reference: int,
+    when: str,
+    ranks: tuple[int, ...] | None = None,
 ) -> str:
+    """``values``, ``odd`` and ``reference`` index ``ranks`` (the world ranks compared; None: every rank)."""
+    world = (lambda i: i) if ranks is None else ranks.__getitem__  # noqa: E731
     where = f" ({when})" if when else ""
-    odd_ranks = ", ".join(map(str, odd))
-    head = f"[rank {rank}] silent divergence{where}: {entry.name} on rank {odd_ranks} differs from rank {reference}"
+    among = "" if ranks is None else f" (among ranks {', '.join(map(str, ranks))}, which hold the same shard)"
+    odd_ranks = ", ".join(str(world(i)) for i in odd)
+    head = (
+        f"[rank {rank}] silent divergence{where}: {entry.name} on rank {odd_ranks} differs from rank"
+        f" {world(reference)}{among}"
+    )
     if isinstance(entry.value, Tensor):
         detail, hint = (
-            _tensor_difference(values[reference], values[odd[0]], odd[0], reference, entry),
+            _tensor_difference(values[reference], values[odd[0]], world(odd[0]), world(reference), entry),
             (
                 "code that changes parameters or buffers on some ranks only (e.g. under `if trainer.is_global_zero`),"
                 " a rank-dependent initialisation after sharding, or a nondeterministic in-place update"
@@ -204,7 +236,7 @@ def divergence_message(
         )
     else:
         detail, hint = (
-            _dict_difference(values[reference], values[odd[0]], odd[0], reference),
+            _dict_difference(values[reference], values[odd[0]], world(odd[0]), world(reference)),
             (
                 "a learning-rate scheduler or callback that runs on some ranks only, or an optimizer stepped on some"
                 " ranks only"
@@ -220,7 +252,7 @@ def _tensor_difference(ref: Tensor, other: Tensor, rank: int, reference: int, en
     diff = (a.view(_BITS[a.element_size()]) != b.view(_BITS[b.element_size()])) if a.element_size() in _BITS else a != b
     idx = diff.nonzero()
     first = int(idx[0]) if idx.numel() else 0
-    where = _element_name(entry, first, ref.shape)
+    where = _element_name(entry, first + entry.offset, ref.shape)
     return (
         f"{idx.numel()} element(s) differ; first {where}: {a[first].item()!r} on rank {reference},"
         f" {b[first].item()!r} on rank {rank}"

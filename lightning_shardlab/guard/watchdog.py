@@ -86,7 +86,8 @@ class Watchdog(CollectiveObserver):
         self.grace_s, self.ack_s = grace_s, ack_s
         self.report: str | None = None  # the abort report, once this rank knows it
         self.channel: SideChannel | None = None
-        self._inflight: dict[int, tuple[CollectiveCall, float]] = {}  # seq -> (call, started at)
+        # (scope, seq) -> (call, started at): each group of a mesh numbers its own calls
+        self._inflight: dict[tuple[str, int], tuple[CollectiveCall, float]] = {}
         self._last: tuple[CollectiveCall | None, float] = (None, time.monotonic())  # last finished, when
         self._blocked_since: float | None = None  # the main thread seen blocked in a collective, no progress since
         self._progress: tuple = ()  # (collectives issued, last finished) when it was last sampled
@@ -155,10 +156,10 @@ class Watchdog(CollectiveObserver):
         if self.report is not None:
             self._main_knows.set()
             raise RankFailure(self.report)
-        self._inflight[call.seq] = (call, time.monotonic())
+        self._inflight[(call.scope, call.seq)] = (call, time.monotonic())
 
     def finished(self, call: CollectiveCall, seconds: float) -> None:
-        self._inflight.pop(call.seq, None)
+        self._inflight.pop((call.scope, call.seq), None)
         self._last = (call, time.monotonic())
 
     def handle_exception(self, exc: BaseException) -> str | None:
@@ -264,7 +265,7 @@ class Watchdog(CollectiveObserver):
         """Where the main thread is, and whether it is blocked in a collective; keeps ``_blocked_since``."""
         blocked, where = self.comm.waiting > 0, sample_main_thread()  # the collectives say when they wait
         last = self._last[0]
-        progress = (self.comm.seq, None if last is None else last.seq)
+        progress = (self.comm.seq, None if last is None else (last.scope, last.seq))
         if not blocked or progress != self._progress:
             self._blocked_since = time.monotonic() if blocked else None
         self._progress = progress

@@ -4,8 +4,9 @@ In the order a step meets them:
 
     flat_param.py       ``FlatParamLayout`` and ``FlatParam``: the tensors of one unit laid out flat, sharded
     iteration.py        evidence, read from a forward's source, that it runs every block of a container
-    policy.py           which modules become units
+    policy.py           which modules become units, and buckets of small blocks
     materialize.py      meta-device modules built unit by unit
+    same_layout.py      setup's check that every rank built the same model; what the policy declined
     unit.py             one unit's state machine: gather, free, reduce gradients
     hooks.py            the forward and backward hooks that drive the units
     gradients.py        flat gradients, grad shards, and what the optimizer sees

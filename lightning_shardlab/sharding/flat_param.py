@@ -18,6 +18,10 @@ Every function and test in this package uses exactly these names. S = padded_num
     placeholder      ``placeholders[i]`` (stage 3 only): an ``nn.Parameter`` on the meta device with the
                      original shape. The module holds it while the unit is SHARDED, so names, shapes and
                      ``numel()`` stay right and reading values fails loudly instead of reading a shard.
+    group shard      ``group_shard`` (stage 3 with ``reshard_after_forward=k`` only): 1-D, padded_numel / k,
+                     compute dtype: ``full[j*P/k:(j+1)*P/k]``, j = this rank's place in its reshard group of
+                     k ranks. Kept from a unit's forward to its backward, whose all-gather then runs among
+                     those k ranks only (comm/mesh.py); None otherwise.
     master view      ``master_params[i]``: an ``nn.Parameter`` viewing the part of ``master`` that
                      overlaps parameter i (1-D, possibly empty). The optimizer holds these.
     flat grad        ``flat_grad``: 1-D, numel = padded_numel: the unsharded params' grads laid out like
@@ -199,6 +203,7 @@ class FlatParam:
             self.shard = torch.zeros(s, dtype=self.compute_dtype, device=device)  # 1-D, S
         mixed = self.compute_dtype != layout.dtype
         self.master: Tensor = torch.zeros(s, dtype=layout.dtype, device=device) if mixed else self.shard  # 1-D, S
+        self.group_shard: Tensor | None = None  # 1-D, P / k; reshard_after_forward=k, forward to backward
         self.grad_shard: Tensor | None = None  # 1-D, S, grad dtype; allocated by the first reduction
         self.master_grad: Tensor | None = None  # 1-D, S, master dtype; mixed precision, only for a step
         self.grads_shown = False  # the master views' .grad point at this gradient (see sharding/gradients.py)
@@ -240,6 +245,11 @@ class FlatParam:
         if self.master is not self.shard:
             with torch.no_grad():
                 self.shard.copy_(self.master)
+
+    def keep_group_shard(self, place: int, size: int) -> None:
+        """Before the full buffer is freed after forward: keep slice ``place`` of ``size`` (a copy)."""
+        n = self.layout.padded_numel // size
+        self.group_shard = self.full[place * n : (place + 1) * n].clone()
 
     def alloc_full(self) -> None:
         alloc_storage(self.full)

@@ -1,13 +1,16 @@
 """The hooks that drive a unit through a step, installed with torch's public hook APIs.
 
     forward pre-hook    unshard; wrap the inputs so their backward announces the unit's post-backward
-    forward hook        reshard (stage 3); hook the outputs so their first gradient announces pre-backward
+    forward hook        reshard (stage 3; or regroup); hook the outputs so their first gradient announces pre-backward
     pre-backward        (first gradient reaching an output) unshard again, queue the end-of-backward callback
     post-backward       (gradient reaching the inputs) reduce-scatter the unit's gradients, reshard
     end of backward     finish every unit that got no post-backward, wait for reductions, attach grads
 
 The decisions (when to reduce, when to reshard) live in ``ShardedModel``; these functions only route
-the events to it.
+the events to it. A bucket (a unit of several blocks, sharding/policy.py) is hooked on each block: its
+pre-forward is announced by the first block to run, its post-forward by the last, and its post-backward once
+the gradients have reached the inputs of every block (counted: ``Unit.forwarded``,
+``Unit.awaiting_post_backward``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class Events(Protocol):
     def pre_forward(self, unit: Unit) -> None: ...
     def pre_backward(self, unit: Unit) -> None: ...
     def post_backward(self, unit: Unit) -> None: ...
-    def reshard_after_forward(self, unit: Unit) -> bool: ...
+    def post_forward(self, unit: Unit) -> None: ...
 
 
 class PostBackward(torch.autograd.Function):
@@ -68,11 +71,14 @@ class EndOfBackward:
 
 
 def install(events: Events, unit: Unit) -> list[Any]:
-    """Hook ``unit.module``; returns the handles (``handle.remove()`` undoes it)."""
-    return [
-        unit.module.register_forward_pre_hook(functools.partial(_pre_forward, events, unit), with_kwargs=True),
-        unit.module.register_forward_hook(functools.partial(_post_forward, events, unit)),
-    ]
+    """Hook each module of ``unit``; returns the handles (``handle.remove()`` undoes it)."""
+    handles = []
+    for module in unit.modules:
+        handles.append(
+            module.register_forward_pre_hook(functools.partial(_pre_forward, events, unit), with_kwargs=True)
+        )
+        handles.append(module.register_forward_hook(functools.partial(_post_forward, events, unit)))
+    return handles
 
 
 def hook_pre_backward(events: Events, unit: Unit, tensors: Any) -> None:
@@ -87,25 +93,36 @@ def _pre_forward(events: Events, unit: Unit, module: Any, args: tuple, kwargs: d
         unit.training is TrainingState.BACKWARD
     ):  # forward recomputed inside backward (activation checkpointing): already gathered
         return None
-    with phase("pre_forward", unit.name):
-        events.pre_forward(unit)
+    if unit.forwarded == 0:  # the first block of a bucket to run (a unit of one module: every time)
+        with phase("pre_forward", unit.name):
+            events.pre_forward(unit)
     if unit.is_root or not (torch.is_grad_enabled() and unit.grad_flat_params):
         return None  # the root's post-backward runs at the end of backward: its params serve the whole step
     flat, spec = pytree.tree_flatten((args, kwargs))
     idx = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.requires_grad]
+    unit.awaiting_post_backward += 1  # a block with no such input never announces it: the end of backward does
     if not idx:
         return None  # nothing upstream needs gradients: the end-of-backward callback finishes this unit
-    outs = PostBackward.apply(lambda: events.post_backward(unit), *(flat[i] for i in idx))
+    outs = PostBackward.apply(lambda: _block_post_backward(events, unit), *(flat[i] for i in idx))
     for i, out in zip(idx, outs):
         flat[i] = out
     return pytree.tree_unflatten(flat, spec)
 
 
+def _block_post_backward(events: Events, unit: Unit) -> None:
+    """The gradient reached one block's inputs: the unit's post-backward once it has reached all of them."""
+    unit.awaiting_post_backward -= 1
+    if unit.awaiting_post_backward <= 0:
+        events.post_backward(unit)
+
+
 def _post_forward(events: Events, unit: Unit, module: Any, args: tuple, output: Any) -> None:
     if unit.training is TrainingState.BACKWARD:
         return
-    with phase("post_forward", unit.name):
-        if events.reshard_after_forward(unit):
-            unit.reshard()
+    unit.forwarded += 1
+    if unit.forwarded >= len(unit.modules):  # the bucket's last block (a unit of one module: every time)
+        unit.forwarded = 0
+        with phase("post_forward", unit.name):
+            events.post_forward(unit)
     if torch.is_grad_enabled():
         hook_pre_backward(events, unit, output)

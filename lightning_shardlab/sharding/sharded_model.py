@@ -8,7 +8,7 @@ handle that holds the units and decides, on each hook event, when to gather, red
 from __future__ import annotations
 
 import functools
-import warnings
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,12 +20,14 @@ from torch import Tensor, nn
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.comm.labels import phase
+from lightning_shardlab.comm.mesh import Mesh
 from lightning_shardlab.config import PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding import divergent_units, gradients, hooks
 from lightning_shardlab.sharding.flat_param import FlatParam, FlatParamLayout
 from lightning_shardlab.sharding.materialize import has_meta, materialize
 from lightning_shardlab.sharding.placeholders import refuse_placeholders
-from lightning_shardlab.sharding.policy import ParamUse, plan_units
+from lightning_shardlab.sharding.policy import plan_units
+from lightning_shardlab.sharding.same_layout import check_same_layout, warn_declined
 from lightning_shardlab.sharding.unit import Registration, TrainingState, Unit, UnitState
 from lightning_shardlab.sharding.usage import UsageAgreement
 
@@ -38,12 +40,13 @@ class ShardedModel:
     """The units of one sharded module and the rules that drive them through a step."""
 
     def __init__(
-        self, module: nn.Module, units: list[Unit], config: ShardLabConfig, comm: Comm, policy: PrecisionPolicy
+        self, module: nn.Module, units: list[Unit], config: ShardLabConfig, mesh: Mesh, policy: PrecisionPolicy
     ) -> None:
         self.module = module
         self.units = units  # root first, then in named_modules() order
         self.config = config
-        self.comm = comm
+        self.mesh = mesh
+        self.comm = mesh.world  # agreements, buffers, checkpoints' plans; the flat parameters move in mesh.shard
         self.policy = policy
         self.averages: Any = None  # averaged weights (averages.Averages), kept while ShardLabEMA runs
         # called with (unit, flat param, flat grad) for each reduction, before the grads are averaged
@@ -68,6 +71,13 @@ class ShardedModel:
     def flat_params(self) -> list[FlatParam]:
         return [fp for unit in self.units for fp in unit.flat_params]
 
+    @property
+    def forward_order(self) -> list[Unit]:
+        """The root, then the units in the order their forward ran in the latest pass (registration order
+        before any; units that did not run last). What the budget's predictions follow."""
+        ran = self._order or self._last_order
+        return [self.root, *ran, *(u for u in self.units[1:] if u not in ran)]
+
     def at_rest(self, fp: FlatParam) -> list[nn.Parameter]:
         """The objects the module holds between steps: what ``configure_optimizers`` sees."""
         return fp.placeholders if self.config.stage is Stage.PARAMETERS else fp.unsharded_params
@@ -82,14 +92,20 @@ class ShardedModel:
 
     # ---- the events sharding/hooks.py routes here ----
 
-    def reshard_after_forward(self, unit: Unit) -> bool:
+    def post_forward(self, unit: Unit) -> None:
+        """Stage 3: free the unit after forward, unless backward needs it next; with
+        ``reshard_after_forward=k`` keep its group shards for backward (sharding/unit.py)."""
         if unit.is_root:
-            return not torch.is_grad_enabled() and not self._root_held
+            if not torch.is_grad_enabled() and not self._root_held:
+                unit.reshard()
+            return
         if not torch.is_grad_enabled():
-            return True
+            unit.reshard()
+            return
         # the unit that ran forward last (last step) is the first backward needs: keep it gathered
         last = self._last_order[-1] if self._last_order else None
-        return self.config.reshard_after_forward and unit is not last
+        if self.config.reshard_after_forward and unit is not last:
+            unit.reshard(regroup=True)
 
     def pre_forward(self, unit: Unit) -> None:
         """Gather ``unit`` (its prefetch may be in flight already) and prefetch the unit that ran after it
@@ -131,6 +147,7 @@ class ShardedModel:
             unit.wait_gathers()
 
     def post_backward(self, unit: Unit) -> None:
+        unit.awaiting_post_backward = 0
         if unit.training is not TrainingState.BACKWARD:
             return
         unit.training = TrainingState.IDLE  # post-backward moves it on: GRADS_PENDING, then REDUCING
@@ -148,7 +165,7 @@ class ShardedModel:
         holds every full gradient until the end of backward anyway, so there all may fly at once."""
         limit = len(self.units) if self.config.stage is Stage.OPTIMIZER else MAX_REDUCTIONS_IN_FLIGHT
         while len(self._in_flight) >= limit:
-            self._in_flight.pop(0).wait_reductions()
+            self._in_flight.pop(0).wait_reductions(finish=False)  # hybrid: its all-reduces across groups fly on
         for fp, flat in unit.reduce_grads(async_op=True):
             for observe in self.grad_observers:  # e.g. the vital signs: this rank's own gradient norm
                 observe(unit, fp, flat)
@@ -170,8 +187,9 @@ class ShardedModel:
                 if self._show
                 else None
             )  # travels with the reductions
-            while self._in_flight:
-                self._in_flight.pop(0).wait_reductions()
+            self._in_flight.clear()
+            for unit in pending:
+                unit.wait_reductions()
             if usage is not None:
                 for unit, used in zip(pending, usage.result()):
                     unit.show_grads(used)
@@ -202,27 +220,35 @@ class ShardedModel:
         """A new forward pass: last pass's unit order becomes the order prefetching follows; its first unit's
         gather starts now (stage 3)."""
         self._last_order, self._order = self._order or self._last_order, []
+        for unit in self.units:  # a pass that raised half-way leaves no count behind
+            unit.forwarded = 0
         if self._last_order and self.config.stage is Stage.PARAMETERS:
             self._last_order[0].prefetch()
 
     def verify_collectives(self) -> None:
-        """From now on every collective of this model's ``Comm`` is checked on every rank before its data is
-        used (comm/verify.py); a mismatch at a unit's collective names the unit and the fix. Collective (every rank)."""
+        """From now on every collective of this model's Comms (each group of its mesh) is checked on every rank
+        before its data is used (comm/verify.py); a mismatch at a unit's collective names the unit and the fix.
+        Collective (every rank)."""
+        k = self.mesh.reshard.world_size
         limit = max(
             (
-                fp.layout.shard_numel * max(d.itemsize for d in (fp.compute_dtype, fp.reduce_dtype, fp.master.dtype))
+                max(fp.layout.shard_numel, fp.layout.padded_numel // k)
+                * max(d.itemsize for d in (fp.compute_dtype, fp.reduce_dtype, fp.master.dtype))
                 for fp in self.flat_params
             ),
             default=0,
-        )  # bytes: the largest shard any call may send
+        )  # bytes: the largest shard (or group shard) any call may send
         limit = max(limit, collectives.MIN_LIMIT)
-        headers = collectives.enable_verification(self.comm, limit, builtin=self.config.transport == "builtin")
-        if headers is None:
-            return
         names = [fp.layout.name for fp in self.flat_params]
-        headers.know(*names, *(f"{what} {n}" for n in names for what in ("state_dict", "optimizer state")))
         units = {fp.layout.name: unit.module_path for unit in self.units for fp in unit.flat_params}
-        headers.explain = functools.partial(divergent_units.explain, self.module, units, bool(self.config.unit_types))
+        for comm in self.mesh.comms():
+            headers = collectives.enable_verification(comm, limit, builtin=self.config.transport == "builtin")
+            if headers is None:
+                continue
+            headers.know(*names, *(f"{what} {n}" for n in names for what in ("state_dict", "optimizer state")))
+            headers.explain = functools.partial(
+                divergent_units.explain, self.module, units, bool(self.config.unit_types)
+            )
 
     def broadcast_buffers(self) -> None:
         """Give every rank rank 0's buffers: one broadcast per buffer dtype (DDP's broadcast_buffers)."""
@@ -260,7 +286,7 @@ class ShardedModel:
         """Bring the compute copies up to date with the master shards an optimizer just updated."""
         self.wait_gathers()  # nothing may still be sending a shard the step changed
         for unit in self.units:
-            if unit.state is UnitState.PREFETCHED:  # gathered before the step: stale now
+            if unit.state in (UnitState.PREFETCHED, UnitState.REGROUPED):  # gathered before the step: stale now
                 unit.reshard()
         for fp in stepped:
             gradients.release(fp)
@@ -290,7 +316,7 @@ class ShardedModel:
         if shard is fp.shard and (fp.resident_full or fp.layout.world_size == 1):
             return fp.full
         out = torch.empty(fp.layout.padded_numel, dtype=shard.dtype, device=shard.device)
-        collectives.all_gather(out, shard, self.comm, label=f"state_dict {fp.layout.name}")
+        collectives.all_gather(out, shard, self.mesh.shard, label=f"state_dict {fp.layout.name}")
         return out
 
 
@@ -308,54 +334,63 @@ def sharded_model_of(trainer: Any, required_by: str | None = None) -> ShardedMod
 
 
 def shard_model(
-    module: nn.Module, config: ShardLabConfig, comm: Comm, policy: PrecisionPolicy | None = None
+    module: nn.Module, config: ShardLabConfig, comm: Comm | Mesh, policy: PrecisionPolicy | None = None
 ) -> ShardedModel:
     """Shard ``module`` in place and install its hooks. Every rank must call it (it communicates).
 
-    Order: 1. choose units and lay out flat params  2. check all ranks built the same layout
-    3. broadcast rank 0's initial values  4. point the module at placeholders / unsharded params.
+    ``comm``: the world's Comm (the groups of ``config.shard_group_size`` are opened here; 'node' is read from
+    ``LOCAL_WORLD_SIZE``), or a ``Mesh`` the caller opened. Order: 1. choose units and lay out flat params at
+    the shard group's size  2. check all ranks built the same layout  3. broadcast rank 0's initial values
+    4. point the module at placeholders / unsharded params.
     """
     policy = policy or PrecisionPolicy()
     existing = _SHARDED.get(module)
+    world = comm.world if isinstance(comm, Mesh) else comm
     if existing is not None:
-        if existing.config == config and existing.policy == policy and existing.comm.world_size == comm.world_size:
+        if existing.config == config and existing.policy == policy and existing.comm.world_size == world.world_size:
             existing.wait_gathers()
             return existing
         raise ValueError(
             f"{type(module).__name__} is already sharded (stage {int(existing.config.stage)}, world size"
             f" {existing.comm.world_size}). HINT: create a fresh module, or reuse the same strategy options."
         )
-    plan = plan_units(module, config, comm.world_size)
+    mesh = (
+        comm if isinstance(comm, Mesh) else Mesh.build(world, *config.group_sizes(world.world_size, _per_node(world)))
+    )
+    shard = mesh.shard
+    plan = plan_units(module, config, shard.world_size)
     unit_paths, groups = plan.choice.paths, plan.groups
-    if plan.choice.declined and comm.rank == 0:
-        _warn_declined(module, plan.choice.declined)
-    _check_same_layout(module, plan.uses, plan.owners, comm)
-    flat = {path: [_new_flat_param(layout, config, comm, policy) for layout, _ in g] for path, g in groups.items()}
+    if plan.choice.declined and world.rank == 0:
+        warn_declined(module, plan.choice.declined)
+    check_same_layout(module, plan.uses, plan.owners, world)
+    flat = {path: [_new_flat_param(layout, config, shard, policy) for layout, _ in g] for path, g in groups.items()}
     biggest = max((fp for fps in flat.values() for fp in fps), key=lambda fp: fp.layout.padded_numel, default=None)
     if biggest is not None:
         numel = min(biggest.layout.padded_numel, TRANSPORT_PROBE_NUMEL)
-        comm.transport_times = collectives.choose_transports(comm, numel, biggest.compute_dtype, config.transport)
+        shard.transport_times = collectives.choose_transports(shard, numel, biggest.compute_dtype, config.transport)
+        mesh.reshard.transports = dict(shard.transports)
     pairs = [(fp, group) for path in unit_paths for fp, (_, group) in zip(flat[path], groups[path])]
-    load = functools.partial(_load_from_rank_0, comm=comm)
+    load = functools.partial(_load_from_rank_0, comm=world)
     if has_meta(module):
-        materialize(module, pairs, comm.device, load)
+        materialize(module, pairs, world.device, load)
     else:
         for fp, group in pairs:
             load(fp, [u.param for u in group])
     units = [
         Unit(
             path,
-            module.get_submodule(path),
+            [module.get_submodule(m) for m in plan.choice.modules_of(path)],
             flat[path],
             [[[_place(module, fqn) for fqn in u.fqns] for u in group] for _, group in groups[path]],
-            comm,
+            mesh,
             reshard_at_rest=config.stage is Stage.PARAMETERS,
+            module_path=plan.choice.modules_of(path)[0],
         )
         for path in unit_paths
         if flat[path] or not path
     ]
-    _broadcast_buffers(module, comm, label="setup buffers")
-    sharded = ShardedModel(module, units, config, comm, policy)
+    _broadcast_buffers(module, world, label="setup buffers")
+    sharded = ShardedModel(module, units, config, mesh, policy)
     for unit in units:
         hooks.install(sharded, unit)
     module.register_state_dict_post_hook(refuse_placeholders)
@@ -363,15 +398,9 @@ def shard_model(
     return sharded
 
 
-def _warn_declined(module: nn.Module, declined: list[str]) -> None:
-    kinds = sorted({type(next(module.get_submodule(path).children())).__name__ for path in declined})
-    warnings.warn(
-        f"the repeated blocks in {', '.join(map(repr, declined))} ({', '.join(kinds)}) are not made units: nothing"
-        " shows that every forward runs all of them (experts of a mixture-of-experts layer, a block chosen by the"
-        " step), so they stay in the enclosing unit, gathered whole on every rank. HINT: if every rank always runs"
-        " every one of them, name their class in unit_classes=[...] to shard them one by one.",
-        stacklevel=3,
-    )
+def _per_node(world: Comm) -> int:
+    """Ranks per node, as launchers (torchrun, Lightning's) tell each process; the world if none says."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
 
 
 def _new_flat_param(layout: FlatParamLayout, config: ShardLabConfig, comm: Comm, policy: PrecisionPolicy) -> FlatParam:
@@ -408,32 +437,3 @@ def _broadcast_buffers(module: nn.Module, comm: Comm, label: str) -> None:
             collectives.broadcast(flat, comm, src=0, label=f"{label} {str(dtype).removeprefix('torch.')}")
             for buf, value in zip(bufs, flat.split([b.numel() for b in bufs])):
                 buf.copy_(value.view_as(buf))
-
-
-def _check_same_layout(module: nn.Module, uses: list[ParamUse], owners: dict[int, str], comm: Comm) -> None:
-    """Raise on every rank, naming the first difference, unless all ranks built the same layout."""
-    mine = [
-        (
-            "parameter",
-            u.fqns[0],
-            tuple(u.param.shape),
-            str(u.param.dtype),
-            u.param.requires_grad,
-            f"unit {owners[id(u.param)] or 'root'}",
-        )
-        for u in uses
-    ]
-    mine += [("buffer", name, tuple(b.shape), str(b.dtype)) for name, b in module.named_buffers()]
-    everyone = collectives.all_gather_object(mine, comm, label="layout check")
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        if theirs == reference:
-            continue
-        for i in range(max(len(theirs), len(reference))):
-            a = reference[i] if i < len(reference) else "nothing"
-            b = theirs[i] if i < len(theirs) else "nothing"
-            if a != b:
-                raise ValueError(
-                    f"[rank {comm.rank}] the model differs across ranks: entry {i} is {a} on rank 0 but {b} on rank"
-                    f" {rank}. HINT: build the same model (same classes, shapes, dtypes, requires_grad) on every rank."
-                )

@@ -1,9 +1,12 @@
 """One unit's state machines: where its parameters are, and where its gradients are (``Unit``).
 
 A unit owns one flat parameter per (dtype, requires_grad) group of its parameters. ``unshard``
-all-gathers each and points the module's attributes at the unsharded params; ``reshard`` points them
-back at the placeholders and frees the full buffers. ``reduce_grads`` turns the unsharded params'
-gradients into this rank's averaged grad shard. Tensor names: [Note: shardlab tensors] in sharding/flat_param.py.
+all-gathers each (inside the shard group) and points the module's attributes at the unsharded params;
+``reshard`` points them back at the placeholders and frees the full buffers (keeping a 1/k slice for backward
+with ``reshard_after_forward=k``). ``reduce_grads`` turns the unsharded params' gradients into this rank's
+averaged grad shard: a reduce-scatter inside the shard group, then, when shard groups are replicas (hybrid
+sharding, comm/mesh.py), an all-reduce of that shard across them. Tensor names: [Note: shardlab tensors] in
+sharding/flat_param.py.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shardlab.comm import collectives
-from lightning_shardlab.comm.collectives import Comm, Pending
+from lightning_shardlab.comm.collectives import Pending
+from lightning_shardlab.comm.mesh import Mesh
 from lightning_shardlab.sharding import gradients
 from lightning_shardlab.sharding.flat_param import FlatParam, storage_is_allocated
 
@@ -23,6 +27,9 @@ class UnitState(Enum):
     """Where a unit's parameters are: what its module holds, and whether the full buffers hold values."""
 
     SHARDED = "sharded"  # the module holds placeholders (stage 3 at rest); full buffers freed or in flight
+    REGROUPED = (
+        "regrouped"  # placeholders, full buffers freed, group shards kept for backward (reshard_after_forward=k)
+    )
     PREFETCHED = "prefetched"  # still placeholders, but the full buffers hold gathered values, ready to use
     UNSHARDED = "unsharded"  # the module holds the unsharded params, views of the full buffers
     SUMMONED = "summoned"  # the module holds full master-precision copies for the user (gathered.py)
@@ -44,29 +51,38 @@ class Unit:
     """One unit: a module whose parameters are gathered, freed and reduced together.
 
     Two explicit states drive it. ``state`` (``UnitState``) says where the parameters are: SHARDED ->
-    (prefetch, wait) PREFETCHED -> UNSHARDED -> (reshard) SHARDED at stage 3; UNSHARDED for good at stages 1-2;
-    SUMMONED while the user holds full copies. ``training`` (``TrainingState``) says where its gradients are:
+    (prefetch, wait) PREFETCHED -> UNSHARDED -> (reshard) SHARDED at stage 3, or -> (reshard after a forward
+    that backward follows, with ``reshard_after_forward=k``) REGROUPED -> (gather in the reshard group)
+    PREFETCHED -> UNSHARDED; UNSHARDED for good at stages 1-2; SUMMONED while the user holds full copies.
+    ``training`` (``TrainingState``) says where its gradients are:
     IDLE -> BACKWARD (pre-backward) -> GRADS_PENDING (post-backward) -> REDUCING (reduce-scatters launched) ->
     IDLE (the reduced gradients are shown to the optimizer). The sharded model moves both; every collective
-    the unit launches goes through ``comm``.
+    the unit launches goes through its mesh: ``comm`` (the shard group), ``mesh.replica``, ``mesh.reshard``.
     """
 
     def __init__(
         self,
         name: str,
-        module: nn.Module,
+        modules: list[nn.Module],
         flat_params: list[FlatParam],
         registrations: list[list[list[Registration]]],  # [flat param][slot] -> places
-        comm: Comm,
+        mesh: Mesh,
         reshard_at_rest: bool,
+        module_path: str | None = None,
     ) -> None:
         self.name = name or "root"
-        self.module_path = name  # "" for the root
+        self.module_path = name if module_path is None else module_path  # "" for the root; a bucket's first block
         self.is_root = not name
-        self.module = module
+        self.modules = modules  # one, or the blocks of a bucket (sharding/policy.py) in order
+        self.module = modules[-1]  # the module whose output is the unit's output
+        # a bucket's hooks fire once per block: how many blocks ran forward, and post-backwards still to come
+        self.forwarded = 0
+        self.awaiting_post_backward = 0
         self.flat_params = flat_params
         self.registrations = registrations
-        self.comm = comm
+        self.mesh = mesh
+        self.comm = mesh.shard  # the all-gathers and reduce-scatters of the flat parameters
+        self.rank = mesh.world.rank  # for messages: the rank as the user knows it
         # Stage 3 shards parameters at rest; stages 1-2 keep every unit UNSHARDED for good.
         self.reshard_at_rest = reshard_at_rest
         self.state = UnitState.SHARDED if reshard_at_rest else UnitState.UNSHARDED
@@ -75,6 +91,7 @@ class Unit:
         # [flat param] -> 1-D bool, numel = number of slots: got a gradient since the last reduction
         self.used = [torch.zeros(len(fp.layout.slots), dtype=torch.bool) for fp in self.grad_flat_params]
         self._pending: list[tuple[FlatParam, Tensor, Tensor, Pending]] = []  # (fp, flat grad, new shard, work)
+        self._crossing: list[tuple[FlatParam, Tensor, Pending]] = []  # hybrid: (fp, new shard, its all-reduce)
         self._gathering: list[Pending] = []  # all-gathers in flight into the full buffers
 
     def __repr__(self) -> str:
@@ -85,51 +102,71 @@ class Unit:
     def _expect(self, state: UnitState, action: str) -> None:
         if self.state is not state:
             raise RuntimeError(
-                f"[rank {self.comm.rank}] cannot {action} unit {self.name!r}: it is {self.state.value}, "
+                f"[rank {self.rank}] cannot {action} unit {self.name!r}: it is {self.state.value}, "
                 f"expected {state.value}."
             )
 
     def prefetch(self) -> None:
-        """Stage 3: launch this unit's all-gathers now, so they travel while the unit before it computes."""
-        if self.state is UnitState.SHARDED and not self._gathering:
+        """Stage 3: launch this unit's all-gathers now, so they travel while the unit before it computes: from
+        the shards in the shard group, or (REGROUPED, before backward) from the group shards in the reshard group."""
+        if self.state in (UnitState.SHARDED, UnitState.REGROUPED) and not self._gathering:
             for fp in self.flat_params:
                 if fp.gathers:
                     fp.alloc_full()
                     self.comm.ledger.track_gathered(fp.full.untyped_storage().nbytes())
+                    source, comm = (
+                        (fp.shard, self.comm) if fp.group_shard is None else (fp.group_shard, self.mesh.reshard)
+                    )
                     self._gathering.append(
-                        collectives.all_gather(fp.full, fp.shard, self.comm, label=fp.layout.name, async_op=True)
+                        collectives.all_gather(fp.full, source, comm, label=fp.layout.name, async_op=True)
                     )
 
     def wait_gathers(self) -> None:
         """Wait for this unit's all-gathers in flight (a prefetch, or the refresh after an optimizer step)."""
-        if self._gathering and self.state is UnitState.SHARDED:
+        if self._gathering and self.state in (UnitState.SHARDED, UnitState.REGROUPED):
             self.state = UnitState.PREFETCHED  # the full buffers hold the gathered values, not yet in use
         while self._gathering:
             self._gathering.pop(0).wait()
+        if self.state is UnitState.PREFETCHED:
+            self._drop_group_shards()  # gathered: the full buffers hold them now
 
     def unshard(self) -> None:
         """All-gather every flat parameter (unless prefetched) and point the module at the unsharded params."""
         self.wait_gathers()
-        if self.state not in (UnitState.SHARDED, UnitState.PREFETCHED):
+        if self.state not in (UnitState.SHARDED, UnitState.REGROUPED, UnitState.PREFETCHED):
             return
         self.prefetch()
         self.wait_gathers()
         self._register([fp.unsharded_params for fp in self.flat_params])
         self.state = UnitState.UNSHARDED
 
-    def reshard(self) -> None:
+    def reshard(self, regroup: bool = False) -> None:
         """Point the module at the placeholders and free the full buffers (stage 3 only); also drops a
-        prefetch that was not used."""
+        prefetch that was not used. ``regroup`` (after a forward that backward follows, with
+        ``reshard_after_forward=k``): first keep each flat parameter's group shard, so backward gathers from
+        the k ranks of the reshard group."""
         if not self.reshard_at_rest or self.state is UnitState.SUMMONED:
             return
         self.wait_gathers()
+        regroup = regroup and self.mesh.regrouped and self.state is UnitState.UNSHARDED
         if self.state is UnitState.UNSHARDED:
             self._register([fp.placeholders for fp in self.flat_params])
-        self.state = UnitState.SHARDED
+        self.state = UnitState.REGROUPED if regroup else UnitState.SHARDED
+        if not regroup:
+            self._drop_group_shards()
         for fp in self.flat_params:
+            if regroup and fp.gathers:
+                fp.keep_group_shard(self.mesh.reshard.rank, self.mesh.reshard.world_size)
+                self.comm.ledger.track_gathered(fp.group_shard.untyped_storage().nbytes())
             if fp.gathers and storage_is_allocated(fp.full):
                 self.comm.ledger.track_gathered(-fp.full.untyped_storage().nbytes())
                 fp.free_full()
+
+    def _drop_group_shards(self) -> None:
+        for fp in self.flat_params:
+            if fp.group_shard is not None:
+                self.comm.ledger.track_gathered(-fp.group_shard.untyped_storage().nbytes())
+                fp.group_shard = None
 
     def _register(self, params_per_fp: list[list[nn.Parameter]]) -> None:
         # Writing ``_parameters`` directly swaps the object a name refers to without nn.Module's
@@ -153,7 +190,7 @@ class Unit:
             for slot, param in zip(fp.layout.slots, fp.unsharded_params):
                 if param.grad is not None:
                     raise RuntimeError(
-                        f"[rank {self.comm.rank}] parameter {slot.name!r} was frozen when the model was sharded"
+                        f"[rank {self.rank}] parameter {slot.name!r} was frozen when the model was sharded"
                         " but got a gradient. HINT: set requires_grad before trainer.fit(), or keep it trainable"
                         " and leave it out of the optimizer."
                     )
@@ -180,12 +217,22 @@ class Unit:
             self.wait_reductions()
         return launched
 
-    def wait_reductions(self) -> None:
-        """Wait for launched reduce-scatters and add their results into the grad shards."""
+    def wait_reductions(self, finish: bool = True) -> None:
+        """Wait for launched reduce-scatters and add their results into the grad shards. Hybrid: each result
+        is first all-reduced across the replica groups (launched here, in flight until ``finish``)."""
+        replica = self.mesh.replica
         for fp, _flat_alive_until_done, new_shard, pending in self._pending:
             pending.wait()
-            gradients.accumulate(fp, new_shard)
+            if replica.world_size > 1:
+                crossing = collectives.launch_all_reduce(new_shard, replica, label=fp.layout.name)
+                self._crossing.append((fp, new_shard, crossing))
+            else:
+                gradients.accumulate(fp, new_shard)
         self._pending.clear()
+        while finish and self._crossing:
+            fp, new_shard, crossing = self._crossing.pop(0)
+            crossing.wait()
+            gradients.accumulate(fp, new_shard.div_(replica.world_size))  # the mean over every rank
 
     def show_grads(self, used_per_fp: list[Tensor]) -> None:
         """Let the optimizer see the reduced gradients of the parameters that count as used."""
@@ -217,10 +264,10 @@ class Unit:
         busy = self.training is TrainingState.BACKWARD or self._gathering
         if self.state is UnitState.SUMMONED or busy:
             raise RuntimeError(
-                f"[rank {self.comm.rank}] cannot gather unit {self.name!r} for the user: it is"
+                f"[rank {self.rank}] cannot gather unit {self.name!r} for the user: it is"
                 f" {self.state.value}, {self.training.value}."
             )
-        if self.state is UnitState.PREFETCHED:
+        if self.state in (UnitState.PREFETCHED, UnitState.REGROUPED):
             self.reshard()  # a writeback would leave the prefetched values stale: gather again when needed
         previous, self.state = self.state, UnitState.SUMMONED
         self._register(params_per_fp)

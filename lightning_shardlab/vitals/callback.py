@@ -293,10 +293,12 @@ class ShardLabVitals(L.Callback):
         return [delta, weight]
 
     def _globals(self, everyone: np.ndarray) -> list[float]:
-        """grad_norm and each unit's update ratio from every rank's sums: shards partition the weights (sum them);
-        whole copies are the same everywhere (take rank 0's)."""
+        """grad_norm and each unit's update ratio from every rank's sums: shards partition the weights (sum those
+        of one shard group: ranks 0..G-1; hybrid sharding's other groups are replicas); whole copies are the same
+        everywhere (take rank 0's)."""
         n = len(self.signals)
-        parts = everyone[:, n:] if self.sharded is not None else everyone[:1, n:]
+        group = self.sharded.mesh.shard.world_size if self.sharded is not None else 1
+        parts = everyone[:group, n:]
         with np.errstate(invalid="ignore", divide="ignore"):
             grad = parts[:, 0]
             out = [math.nan if np.isnan(grad).all() else float(math.sqrt(np.nansum(grad)))]
