@@ -82,7 +82,7 @@ class Mesh:
     @staticmethod
     def flat(world: Comm) -> Mesh:
         """Plain sharding: the world shards the model, no replicas."""
-        return Mesh(world, world, _one(world, "replica", [[r] for r in range(world.world_size)]), world)
+        return Mesh(world, world, _no_replicas(world), world)
 
     @staticmethod
     def build(world: Comm, shard_group_size: int, reshard_size: int | None = None) -> Mesh:
@@ -92,11 +92,16 @@ class Mesh:
         if g == w and reshard_size in (None, w):
             return Mesh.flat(world)
         shard = world if g == w else _sub(world, "shard", shard_groups(w, g))
-        replica = _sub(world, "replica", replica_groups(w, g)) if g < w else Mesh.flat(world).replica
+        replica = _sub(world, "replica", replica_groups(w, g)) if g < w else _no_replicas(world)
         reshard = shard
         if reshard_size is not None and reshard_size < g:
             reshard = _sub(world, "reshard", shard_groups(w, reshard_size))
         return Mesh(world, shard, replica, reshard)
+
+
+def _no_replicas(world: Comm) -> Comm:
+    """The replica group when one shard group spans the world: every rank alone."""
+    return _one(world, "replica", [[r] for r in range(world.world_size)])
 
 
 def _one(world: Comm, scope: str, partition: list[list[int]]) -> Comm:
