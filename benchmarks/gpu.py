@@ -1,4 +1,4 @@
-"""The GPU checks, as one prepared script for a machine with a CUDA device (about 6 minutes on one GPU).
+"""The GPU checks, as one prepared script for a machine with a CUDA device (about 8 minutes on one GPU).
 
     python -m benchmarks.gpu --out DIR           # writes DIR/gpu.json and DIR/GPU.md
     python -m benchmarks.gpu --device cpu --size tiny --steps 3 --warmup 1   # the same code, a dry run on CPU
@@ -9,7 +9,9 @@
    shardlab on one GPU; MFU = 6 N + 12 L T d flops per token (nanoGPT's estimate, N without the position
    embedding) times tokens per second, over the device's dense bf16 peak (``--peak-tflops``, default the
    H200's 989); target >= 30%.
-3. Two ranks sharing the GPU (gloo) and one rank on it: the ``gpu``-marked tests (stage 3 parity).
+3. ``offload='cpu'``: the same GPT-2 shapes in ``bf16-mixed`` with masters and AdamW state in host memory,
+   against no offload, interleaved: seconds per step and the device's peak allocated memory.
+4. Two ranks sharing the GPU (gloo) and one rank on it: the ``gpu``-marked tests (stage 3 parity, cpu offload).
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ def flops_per_token(n_params: int, size: dict) -> int:
     return 6 * n_params + 12 * size["n_layer"] * size["block_size"] * size["n_embd"]
 
 
-def timed_fit(strategy: str, size: dict, device: str, precision: str, warmup: int, steps: int) -> dict:
-    """Seconds per step of one fit of the example GPT on one device, after ``warmup`` steps."""
+def timed_fit(
+    strategy: str, size: dict, device: str, precision: str, warmup: int, steps: int, offload: str = "none"
+) -> dict:
+    """Seconds per step of one fit of the example GPT on one device, after ``warmup`` steps, and the device's
+    peak allocated bytes."""
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -68,12 +73,15 @@ def timed_fit(strategy: str, size: dict, device: str, precision: str, warmup: in
         devices=1,
         precision=precision,
         max_steps=warmup + steps,
-        strategy=ShardLabStrategy() if strategy == "shardlab" else "auto",
+        strategy=ShardLabStrategy(offload=offload) if strategy == "shardlab" else "auto",
         callbacks=[Clock()],
     )
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     trainer.fit(model, loader)
     n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
-    return {"seconds": statistics.median(times[warmup:]), "params": n_params}
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+    return {"seconds": statistics.median(times[warmup:]), "params": n_params, "device_peak": peak}
 
 
 def overhead(size: dict, device: str, precision: str, warmup: int, steps: int, repeats: int) -> dict:
@@ -83,6 +91,17 @@ def overhead(size: dict, device: str, precision: str, warmup: int, steps: int, r
             runs[strategy].append(timed_fit(strategy, size, device, precision, warmup, steps)["seconds"])
     plain, ours = statistics.median(runs["auto"]), statistics.median(runs["shardlab"])
     return {"plain_steps_per_s": 1 / plain, "shardlab_steps_per_s": 1 / ours, "ratio": plain / ours, "runs": runs}
+
+
+def cpu_offload(size: dict, warmup: int, steps: int, repeats: int) -> dict:
+    """offload='cpu' against 'none' on one GPU, bf16-mixed, interleaved: s/step and peak device memory."""
+    runs: dict[str, list[dict]] = {"none": [], "cpu": []}
+    for _ in range(repeats):
+        for offload in runs:
+            runs[offload].append(timed_fit("shardlab", size, "cuda", "bf16-mixed", warmup, steps, offload))
+    seconds = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
+    peak = {k: max(r["device_peak"] for r in v) for k, v in runs.items()}
+    return {"seconds": seconds, "device_peak": peak, "ratio": seconds["cpu"] / seconds["none"]}
 
 
 def mfu(size: dict, device: str, warmup: int, steps: int, peak_tflops: float) -> dict:
@@ -125,6 +144,16 @@ def report(results: dict, out: Path) -> str:
         f"| GPT-2 {m['params'] / 1e6:.0f}M bf16-mixed MFU (peak {results['peak_tflops']} TFLOP/s) | >= 30% "
         f"| {100 * m['mfu']:.1f}% ({m['tflops']:.1f} TFLOP/s, {m['tokens_per_s']:.0f} tokens/s) |",
     ]
+    if "cpu_offload" in results:
+        c = results["cpu_offload"]
+        lines.append(
+            f"| offload='cpu' / none, s/step (GPT-2 {m['params'] / 1e6:.0f}M bf16-mixed) | measured | {c['ratio']:.3f}"
+            f" ({c['seconds']['cpu']:.4f} vs {c['seconds']['none']:.4f} s) |"
+        )
+        lines.append(
+            f"| peak device memory, offload='cpu' vs none | lower | {c['device_peak']['cpu'] / 2**30:.2f} GiB vs"
+            f" {c['device_peak']['none'] / 2**30:.2f} GiB |"
+        )
     if "tests" in results:
         lines.append(f"| tests/test_gpu.py (2 ranks sharing the GPU, 1 rank) | pass | {results['tests']['summary']} |")
     text = "\n".join(lines) + "\n"
@@ -159,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         "mfu": mfu(size, args.device, args.warmup, args.steps, args.peak_tflops),
     }
     if args.device == "cuda":
+        results["cpu_offload"] = cpu_offload(size, args.warmup, args.steps, args.repeats)
         results["tests"] = gpu_tests()
     print(report(results, out))
 

@@ -9,6 +9,7 @@ from enum import Enum, IntEnum
 import torch
 from torch import nn
 
+OFFLOADS = ("none", "cpu", "disk", "auto")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -146,6 +147,15 @@ class ShardLabConfig:
     Lightning file, gathered on rank 0, loadable without this package). Loading reads either, at any
     world size and stage."""
 
+    offload: str = "none"
+    """Where master shards and optimizer state live between uses: 'none' (beside the compute copy), 'cpu'
+    (pinned host memory on a GPU run; the optimizer steps on the CPU), 'disk' (memory-mapped files under
+    ``offload_dir``, stepped one flat parameter at a time), or 'auto': the tier below the device ('cpu' on a
+    GPU, 'disk' on a CPU run). See docs/design.md, offload."""
+
+    offload_dir: str | None = None
+    """``offload='disk'``: the directory that holds the files (None: the system's temporary directory)."""
+
     unit_types: tuple[type[nn.Module], ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -161,6 +171,9 @@ class ShardLabConfig:
         _choice("state_dict_type", self.state_dict_type, ("sharded", "full"))
         _choice("reduce_dtype", self.reduce_dtype, (None, *DTYPES))
         _choice("transport", self.transport, ("auto", "builtin", "pairwise"))
+        _choice("offload", self.offload, OFFLOADS)
+        if self.offload_dir is not None and not isinstance(self.offload_dir, str):
+            check_option("offload_dir", self.offload_dir, False, "a directory path (a string) or None")
         check_int("min_unit_params", self.min_unit_params, 0)
         check_int("unit_bucket_params", self.unit_bucket_params, 0)
         check_int("ranks_per_device", self.ranks_per_device, 1)
@@ -204,6 +217,19 @@ class ShardLabConfig:
                 )
         if g is not None and g != "node":
             check_int("shard_group_size", g, 1, ", 'node' or None")
+
+    def offload_tier(self, device: torch.device) -> str:
+        """The offload tier this run uses on ``device``: 'none', 'cpu' or 'disk' ('auto' resolved). Raises
+        ``ValueError`` naming the option and the fix for 'cpu' on a CPU run (every rank, before any collective)."""
+        if self.offload == "auto":
+            return "disk" if device.type == "cpu" else "cpu"
+        if self.offload == "cpu" and device.type == "cpu":
+            raise ValueError(
+                "`offload='cpu'` moves state from the accelerator to host memory, but this run trains on the CPU:"
+                " host memory is the device. HINT: use offload='disk' (files under offload_dir) to free host"
+                " memory, or train on a GPU."
+            )
+        return self.offload
 
     def group_sizes(self, world_size: int, per_node: int) -> tuple[int, int | None]:
         """(shard group size, reshard group size or None) for this world; ``per_node``: ranks on one node.

@@ -36,3 +36,8 @@ def print_table(console: Console, table: Table) -> None:
         console.print(table)
     finally:
         console.width = width
+
+
+def gigabytes(text: str) -> float:
+    """'80GB', '80', '24.5gb' (decimal GB, as devices are sold) -> bytes."""
+    return float(text.lower().removesuffix("gb").removesuffix("g")) * 1e9

@@ -30,6 +30,8 @@ from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.comm.mesh import Mesh
 from lightning_shardlab.config import ShardLabConfig
 from lightning_shardlab.guard.guard import SanityConfig
+from lightning_shardlab.offload import check_offload, setup_offload
+from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 OPTIONS_DOC = """
         stage: what is sharded at rest: 1 optimizer state, 2 + gradients, 3 + parameters (FSDP).
@@ -60,6 +62,11 @@ OPTIONS_DOC = """
         elementwise_optimizers: import paths of extra optimizer classes to treat as elementwise.
         state_dict_type: checkpoints are 'sharded' (a directory: every rank writes its own slices) or 'full'
             (one plain file gathered on rank 0). Loading reads either at any world size and stage.
+        offload: where master shards and optimizer state live: 'none' (default), 'cpu' (pinned host memory on a
+            GPU run, the optimizer steps on the CPU), 'disk' (memory-mapped files under offload_dir, one flat
+            parameter at a time), 'auto' (the tier below the device: 'cpu' on a GPU, 'disk' on a CPU run).
+        offload_dir: offload='disk': the directory of the files (default: the system's temporary directory);
+            checked writable, and large enough for the layout, before training.
         sanity_every_n_steps: before every K-th training batch compare collective fingerprints, replicated
             state and batches across ranks (one tiny all-gather each); 0: off. See docs/sanity.md.
         strict_collectives: debug mode: compare every collective's fingerprint across ranks before it runs.
@@ -89,6 +96,8 @@ def options_to_configs(
     timeout_s: float = 1800.0,
     elementwise_optimizers: list[str] | None = None,
     state_dict_type: str = "sharded",
+    offload: str = "none",
+    offload_dir: str | None = None,
     sanity_every_n_steps: int = 10,
     strict_collectives: bool = False,
     verify_collectives: bool = True,
@@ -114,6 +123,8 @@ def options_to_configs(
         timeout_s=timeout_s,
         elementwise_optimizers=elementwise_optimizers or (),
         state_dict_type=state_dict_type,
+        offload=offload,
+        offload_dir=offload_dir,
     )
     sanity = SanityConfig(
         every_n_steps=sanity_every_n_steps,
@@ -126,7 +137,14 @@ def options_to_configs(
 
 
 OPTIONS = tuple(inspect.signature(options_to_configs).parameters)
-NAMES = (("shardlab", 3), ("shardlab_stage_1", 1), ("shardlab_stage_2", 2), ("shardlab_stage_3", 3))
+NAMES = (
+    ("shardlab", 3, "none"),
+    ("shardlab_stage_1", 1, "none"),
+    ("shardlab_stage_2", 2, "none"),
+    ("shardlab_stage_3", 3, "none"),
+    ("shardlab_stage_2_offload", 2, "auto"),  # as Lightning's deepspeed_stage_2_offload: the tier below the device
+    ("shardlab_stage_3_offload", 3, "auto"),
+)
 METRIC_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min", None: "mean"}
 METRIC_OPS.update({ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"})
 
@@ -197,8 +215,10 @@ class ShardLabDistributed:
 
     def open_process_group(self) -> Comm:
         """Join the process group (a world of one communicates nothing) and return this rank's ``Comm``.
-        The group sizes are checked first: a bad ``shard_group_size`` is refused before any collective."""
+        The group sizes and the offload tier are checked first: a bad ``shard_group_size``, ``offload='cpu'`` on a
+        CPU run or an unwritable ``offload_dir`` is refused before any collective."""
         _ = self.group_sizes
+        check_offload(self.config, self.root_device)
         reset_seed()
         backend = self.process_group_backend
         kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.config.timeout_s)}
@@ -210,6 +230,11 @@ class ShardLabDistributed:
             if backend != "nccl":  # Lightning registers this for NCCL; gloo's threads also need an orderly end
                 atexit.register(_destroy_dist_connection)
         return Comm(rank=self.global_rank, world_size=self.world_size, device=self.root_device)
+
+    def setup_offload(self, sharded: ShardedModel, optimizers: list[Any]) -> None:
+        """Collective (offload='disk': the space check): after ``shard_optimizer``, move masters and optimizer state
+        to the offload tier (offload/); a no-op without offload."""
+        setup_offload(sharded, [getattr(o, "_optimizer", o) for o in optimizers], self.config, self.num_processes)
 
     def open_mesh(self) -> Mesh:
         """Collective: the shard, replica and reshard groups (comm/mesh.py) over this rank's ``Comm``."""
@@ -242,7 +267,7 @@ class ShardLabDistributed:
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, stage in NAMES:
-            strategy_registry.register(
-                name, cls, description=f"shardlab: ZeRO stage {stage} sharded data parallel", override=True, stage=stage
-            )
+        for name, stage, offload in NAMES:
+            where = "" if offload == "none" else ", masters and optimizer state offloaded (cpu on a GPU, disk on CPU)"
+            description = f"shardlab: ZeRO stage {stage} sharded data parallel{where}"
+            strategy_registry.register(name, cls, description=description, override=True, stage=stage, offload=offload)

@@ -135,7 +135,7 @@ class PrecisionRecipe(FabricPrecision):
         bad = torch.zeros((), dtype=torch.int32, device=self.sharded.comm.device)
         for g in grads:
             g.mul_(1.0 / self.loss_scale.scale)
-            bad |= (~torch.isfinite(g)).any().int()
+            bad |= (~torch.isfinite(g)).any().int().to(bad.device)
         return bool(collectives.all_reduce(bad, self.sharded.comm, op="max", label="loss scale overflow"))
 
     def _step_or_skip(self, optimizer: Optimizer, overflow: bool, **kwargs: Any) -> Any:

@@ -169,6 +169,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
         assert self.sharded is not None
         for optimizer in self.optimizers:
             shard_optimizer(optimizer, self.sharded)
+        self.setup_offload(self.sharded, self.optimizers)
 
     @override
     def model_to_device(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -34,6 +35,8 @@ from tests.models import OddNet, OrderedData, TinyGPT, token_dataset
         ({"unit_bucket_params": -1}, ["unit_bucket_params"]),
         ({"elementwise_optimizers": "torch.optim.SGD"}, ["elementwise_optimizers", "list"]),
         ({"timeout_s": 0}, ["timeout_s"]),
+        ({"offload": "nvme"}, ["offload", "'none', 'cpu', 'disk', 'auto'"]),
+        ({"offload": "disk", "offload_dir": 3}, ["offload_dir", "a directory path"]),
     ],
 )
 def test_invalid_option_raises_value_error_naming_it(kwargs: dict, names: list[str]) -> None:
@@ -121,7 +124,8 @@ def test_model_that_differs_across_ranks_raises_on_every_rank_without_hanging() 
 
 
 def group_size_fit(options: dict) -> dict:
-    """A group size the world of 2 cannot be split into: refused at setup, before the process group opens."""
+    """A group size the world of 2 cannot be split into, or an offload this run cannot have: refused at setup,
+    before the process group opens."""
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ShardLabStrategy(**options), max_steps=1, logger=False)
     trainer.fit(TinyGPT(), OrderedData(token_dataset(8), 2))
     return {}
@@ -132,12 +136,53 @@ def group_size_fit(options: dict) -> dict:
     [
         ({"shard_group_size": 3}, ["`shard_group_size=3` (3 ranks) must divide the world size 2"]),
         ({"reshard_after_forward": 3}, ["`reshard_after_forward=3` must divide the shard group size 2"]),
+        ({"offload": "cpu"}, ["`offload='cpu'`", "trains on the CPU", "offload='disk'"]),
+        ({"offload": "disk", "offload_dir": "/no/such/dir"}, ["`offload_dir='/no/such/dir'` is not a directory"]),
+        ({"offload": "disk", "offload_dir": "/proc"}, ["`offload_dir='/proc'` is not writable"]),
     ],
-    ids=["shard_group_size", "reshard_after_forward"],
+    ids=["shard_group_size", "reshard_after_forward", "offload cpu on CPU", "offload_dir missing", "not writable"],
 )
-def test_group_sizes_that_do_not_tile_the_world_are_refused_on_every_rank(options: dict, words: list[str]) -> None:
+def test_group_sizes_and_offloads_a_run_cannot_have_are_refused_on_every_rank(options: dict, words: list[str]) -> None:
     results = run_ranks("tests.test_bad_input:group_size_fit", 2, {"options": options}, timeout=90, expect_failure=True)
     for rank, (returncode, log) in enumerate(results):
         assert returncode != 0, f"rank {rank} did not fail"
         assert "ValueError" in log and all(w in log for w in words), log[-2000:]
         assert "HINT" in log, log[-2000:]
+
+
+def short_disk_fit(tmp: str) -> dict:
+    """offload='disk' where rank 1's offload_dir has 1,000 bytes free (its file system's answer, replaced)."""
+    from lightning_shardlab.offload import space
+
+    real = space.shutil.disk_usage
+    if int(os.environ["RANK"]) == 1:
+        space.shutil.disk_usage = lambda path: real(path)._replace(free=1000)
+    strategy = ShardLabStrategy(offload="disk", offload_dir=tmp)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False)
+    trainer.fit(TinyGPT(), OrderedData(token_dataset(8), 2))
+    return {}
+
+
+def test_offload_dir_without_room_for_the_layout_is_refused_on_every_rank_before_training(tmp_path: Path) -> None:
+    kwargs = {"tmp": str(tmp_path)}
+    results = run_ranks("tests.test_bad_input:short_disk_fit", 2, kwargs, timeout=90, expect_failure=True)
+    for rank, (returncode, log) in enumerate(results):
+        assert returncode != 0, f"rank {rank} did not fail"
+        assert "OffloadSpaceError" in log and "rank 1: offload_dir=" in log, log[-2000:]
+        assert "has 1,000 bytes free" in log, log[-2000:]
+        assert "bytes per rank x 2 rank(s) on this machine" in log and "HINT" in log, log[-2000:]
+        assert "Epoch 0" not in log  # before training
+
+
+def test_a_full_disk_while_making_an_offload_file_names_the_directory_and_the_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_shardlab.offload.files import FileTier, OffloadSpaceError
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OffloadSpaceError, match=r"could not reserve 4,000 bytes for blocks.0.exp_avg in offload_dir="):
+        FileTier(tmp_path).tensor("blocks.0.exp_avg", 1000, torch.float32)
+    assert os.listdir(tmp_path) == []  # nothing left behind

@@ -412,9 +412,14 @@ def test_fabric_registry_and_options() -> None:
 
     import lightning_shardlab  # noqa: F401  (registers the names)
 
-    for name, stage in (("shardlab", 3), ("shardlab_stage_1", 1), ("shardlab_stage_2", 2), ("shardlab_stage_3", 3)):
+    for name, stage, offload in (
+        ("shardlab", 3, "none"), ("shardlab_stage_1", 1, "none"), ("shardlab_stage_2", 2, "none"),
+        ("shardlab_stage_3", 3, "none"), ("shardlab_stage_2_offload", 2, "auto"),
+        ("shardlab_stage_3_offload", 3, "auto"),
+    ):  # fmt: skip
         strategy = STRATEGY_REGISTRY.get(name)
         assert isinstance(strategy, shardlab_fabric.ShardLabStrategy) and int(strategy.config.stage) == stage
+        assert strategy.config.offload == offload
     with pytest.raises(ValueError, match="unknown option.*'stag'.*Allowed: stage"):
         shardlab_fabric.ShardLabStrategy(stag=2)
     with pytest.raises(ValueError, match="`stage=4` is invalid"):

@@ -1,4 +1,4 @@
-"""The CUDA paths: NCCL with one rank per GPU, and ranks sharing one GPU through gloo.
+"""The CUDA paths: NCCL with one rank per GPU, ranks sharing one GPU through gloo, and offload='cpu'.
 
 Marked ``gpu``: skipped, with that reason, on machines without CUDA (see conftest.py).
 """
@@ -36,3 +36,12 @@ def test_two_ranks_sharing_one_gpu_pass_stage3_parity(tmp_path: Path) -> None:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_nccl_one_rank_per_gpu_matches_the_reference(stage: int) -> None:
     run_ranks("tests.test_trainer:gpt_parity", 2, {"world_size": 2, "stage": stage, "accelerator": "cuda"}, timeout=300)
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one rank", "two ranks sharing the GPU"])
+def test_cpu_offload_on_a_gpu_matches_the_reference(ranks: int) -> None:
+    """offload='cpu': masters and optimizer state in pinned host memory, the step on the CPU, the compute
+    shards copied back; losses and weights still equal the unsharded reference."""
+    kwargs = {"world_size": ranks, "accelerator": "cuda", "devices": 1, "offload": "cpu", "ranks_per_device": ranks}
+    (report, *_) = run_ranks("tests.test_trainer:gpt_parity", ranks, kwargs, timeout=300)
+    assert report["world_size"] == ranks and report["masters_pinned_on_host"]

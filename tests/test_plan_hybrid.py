@@ -133,3 +133,34 @@ def test_the_budget_keeps_one_label_in_two_groups_apart() -> None:
     assert by_scope["reshard"]["all_gather"] == pytest.approx({"calls": 1, "bytes": 200, "seconds": 0.1})
     assert by_scope["replica"]["all_reduce"]["bytes"] == 50
     assert set(by_unit) == {"all_gather blocks.0", "reshard all_gather blocks.0", "replica all_reduce blocks.0"}
+
+
+def test_offload_moves_the_state_below_the_device_and_says_whether_the_rest_fits(capsys: pytest.CaptureFixture) -> None:
+    """70B, 8 ranks, bf16-mixed AdamW, stage 3: 16 B per parameter / 8 = 140 GB per rank does not fit in 80 GB;
+    with offload='cpu' the device keeps the 2 B copy and 2 B gradient (35 GB) and the host the 4 B master and
+    8 B moments (105 GB); each step moves the fp32 gradient down (4 B) and the bf16 shard up (2 B)."""
+    base = "--params 70e9 --world-size 8 --device-memory 80GB".split()
+    plain = plan_json(capsys, base)
+    assert plain["device_bytes"] == pytest.approx(16 * P / 8) and plain["fits"] is False
+    host = plan_json(capsys, [*base, "--offload", "cpu"])
+    assert sum(host["locations"]["device"].values()) == pytest.approx(4 * P / 8) and host["fits"] is True
+    assert host["locations"]["host"] == pytest.approx({"params": 0, "grads": 0, "master": 4 * P / 8,
+                                                       "optimizer_state": 8 * P / 8})  # fmt: skip
+    assert host["tier_moves"] == pytest.approx({"down": 4 * P / 8, "up": 2 * P / 8})
+    assert host["tier_seconds"] == pytest.approx(6 * P / 8 / 50e9)  # PCIe 5, 50 GB/s each way
+    # disk, fp32 SGD with momentum: the master is the compute shard and stays; the momentum (4 B) goes to disk
+    disk = plan_json(capsys, [*base, "--offload", "disk", "--precision", "32-true", "--optimizer", "sgd"])
+    assert disk["locations"]["disk"] == pytest.approx({"params": 0, "grads": 0, "master": 0,
+                                                       "optimizer_state": 4 * P / 8})  # fmt: skip
+    assert disk["tier_moves"] == pytest.approx({"down": 4 * P / 8, "up": 4 * P / 8})
+    assert disk["tier_seconds"] == pytest.approx(4 * P / 8 / 5e9 + 4 * P / 8 / 7e9)  # NVMe write, read
+
+
+def test_a_model_plan_with_disk_offload_files_each_trainable_shard(capsys: pytest.CaptureFixture) -> None:
+    argv = ["--model", GPT, "--init-args", '{"n_layer": 2}', "--world-size", "2", "--offload", "disk"]
+    plan = plan_json(capsys, [*argv, "--precision", "bf16-mixed"])
+    layouts = [lay for lays in plan_units(meta_model(GPT, {"n_layer": 2}), ShardLabConfig(), 2).layouts().values()
+               for lay in lays if lay.requires_grad]  # fmt: skip
+    files = sum(4 * lay.shard_numel * 3 for lay in layouts)  # master, exp_avg, exp_avg_sq, fp32, whole shards
+    assert plan["tier_moves"] == {"down": files, "up": files}
+    assert plan["locations"]["disk"]["master"] + plan["locations"]["disk"]["optimizer_state"] == files

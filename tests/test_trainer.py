@@ -62,10 +62,13 @@ def gpt_parity(
     optimizer: str = "adamw",
     ranks_per_device: int = 1,
     shard_group_size: int | str | None = None,
+    offload: str = "none",
     **trainer_kwargs,
 ) -> dict:
     """Fit sharded, then (rank 0) check losses and weights against the unsharded reference."""
-    strategy = ShardLabStrategy(stage=stage, ranks_per_device=ranks_per_device, shard_group_size=shard_group_size)
+    strategy = ShardLabStrategy(
+        stage=stage, ranks_per_device=ranks_per_device, shard_group_size=shard_group_size, offload=offload
+    )
     trainer, model, reference, data = fit_gpt(strategy, world_size, steps, local_batch, optimizer, **trainer_kwargs)
     assert trainer.world_size == world_size
     state = trainer.strategy.full_state_dict()
@@ -84,7 +87,9 @@ def gpt_parity(
         assert state[key].device.type == "cpu"
         assert_close(state[key], value, **FP32, msg=key)
     mesh = trainer.strategy.sharded.mesh
+    trainable = [fp for fp in trainer.strategy.sharded.flat_params if fp.layout.requires_grad]
     return {
+        "masters_pinned_on_host": all(fp.master.is_pinned() for fp in trainable),
         "losses": losses.tolist(),
         "world_size": trainer.world_size,
         "shard_group": list(mesh.shard.ranks or range(trainer.world_size)),

@@ -28,6 +28,7 @@ from rich.table import Table
 
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, measure_memory
 from lightning_shardlab.budget.predict import OptimizerShape, predict_gathered_peak, predict_memory, predict_traffic
+from lightning_shardlab.budget.tiers import offload_of, tier_counters, tier_report, tier_table
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.mesh import SCOPES
 from lightning_shardlab.config import Accumulation
@@ -91,6 +92,10 @@ class ShardLabBudget(L.Callback):
         self._val_start: dict = {}
         self.validation: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])  # not training
         self.fabric_run: Run | None = None  # set by watch()
+        self._io_before: tuple[int, int] | None = None
+        # in the steps measured: bytes this process read from / wrote to storage, seconds in offloaded steps
+        self.storage_io = [0.0, 0.0, 0.0]
+        self.reports: list[dict[str, Any]] | None = None  # every rank's figures, once fit (or report()) ends
 
     # ---- a Fabric loop ----
 
@@ -161,6 +166,7 @@ class ShardLabBudget(L.Callback):
     def _batch_start(self, run: Run) -> None:
         run.sharded.comm.ledger.reset_peak()
         self._comm_before = self._comm_totals(run.sharded.comm.ledger)
+        self._io_before = tier_counters(run.sharded)
         self._started = time.perf_counter()
 
     @staticmethod
@@ -176,6 +182,9 @@ class ShardLabBudget(L.Callback):
         sharded = run.sharded
         seconds = time.perf_counter() - self._started
         self.step_seconds += seconds
+        io = tier_counters(sharded)
+        if io is not None and self._io_before is not None:
+            self.storage_io = [total + now - before for total, now, before in zip(self.storage_io, io, self._io_before)]
         ledger = sharded.comm.ledger
         memory = measure_memory(sharded.flat_params, run.optimizers)
         nbytes, comm_seconds = self._comm_totals(ledger)
@@ -199,6 +208,7 @@ class ShardLabBudget(L.Callback):
         ledger.reset()
         self.validation.clear()
         self.step_seconds = 0.0
+        self.storage_io = [0.0, 0.0, 0.0]
         self._first_step = run.step
 
     def _log(self, run: Run) -> None:
@@ -225,6 +235,7 @@ class ShardLabBudget(L.Callback):
             return None
         sharded = run.sharded
         everyone = collectives.all_gather_object(self._report(run), sharded.comm, label="budget report")
+        self.reports = everyone
         directory = run.directory()  # every rank (a Trainer's log_dir is a broadcast)
         if run.rank != 0:
             return everyone
@@ -264,7 +275,14 @@ class ShardLabBudget(L.Callback):
             "optimizer_steps": steps,
             "memory_measured": {k: self.last[k] for k in (*MEMORY_CATEGORIES, "gathered_peak")},
             "memory_predicted": {
-                **predict_memory(layouts, sharded.config.stage, sharded.policy, mesh.shard.rank, optimizer),
+                **predict_memory(
+                    layouts,
+                    sharded.config.stage,
+                    sharded.policy,
+                    mesh.shard.rank,
+                    optimizer,
+                    offload_of(sharded),
+                ),
                 "gathered_peak": predict_gathered_peak(units, sharded.config.stage, sharded.policy, reshard),
             },
             "process_peak_bytes": process_peak_bytes(sharded.comm.device),
@@ -274,6 +292,10 @@ class ShardLabBudget(L.Callback):
             "comm_predicted_per_step": vars(traffic),
             "step_seconds": step_seconds / steps,
             "comm_share_of_step": sum(c["seconds"] for c in comm.values()) / max(step_seconds / steps, 1e-12),
+            **tier_report(sharded, run.optimizers, optimizer),
+            "storage_io_per_step": dict(
+                zip(("read", "written", "offload_seconds"), (v / steps for v in self.storage_io))
+            ),
         }
 
     @staticmethod
@@ -331,6 +353,8 @@ class ShardLabBudget(L.Callback):
         print_table(self.console, comm)
         if any(scope != "world" for r in everyone for scope in r["comm_per_step_by_scope"]):
             self._print_by_scope(everyone)
+        if first["offload"] != "none":
+            print_table(self.console, tier_table(everyone))
 
     def _print_by_scope(self, everyone: list[dict[str, Any]]) -> None:
         """Hybrid or regrouped runs: the same calls by the group they ran in (comm/mesh.py's scopes)."""

@@ -5,7 +5,7 @@ Each storage is counted once, by category (the same categories predict.py uses);
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -26,22 +26,32 @@ def _storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
     return total
 
 
-def measure_memory(flat_params: list[FlatParam], optimizers: Iterable[Optimizer] = ()) -> dict[str, int]:
-    """Bytes this rank holds right now, by category, read from the storages of the real tensors.
+def category_tensors(flat_params: list[FlatParam], optimizers: Iterable[Optimizer] = ()) -> dict[str, list[Tensor]]:
+    """The real tensors behind each category but padding (a storage shared by two categories counts in the
+    first: the fp32 master *is* the shard)."""
+    state = [v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
+    return {
+        "params": [t for fp in flat_params for t in (fp.full, fp.shard)],
+        "master": [fp.master for fp in flat_params],
+        "grads": [fp.grad_shard for fp in flat_params if fp.grad_shard is not None]
+        + [p.grad for fp in flat_params for p in fp.unsharded_params if p.grad is not None],
+        "optimizer_state": state,
+    }
+
+
+def measure_memory(
+    flat_params: list[FlatParam], optimizers: Iterable[Optimizer] = (), keep: Callable[[Tensor], bool] | None = None
+) -> dict[str, int]:
+    """Bytes this rank holds right now, by category, read from the storages of the real tensors (only those
+    ``keep`` accepts, if given: e.g. the ones in one tier, budget/tiers.py).
 
     ``params`` counts the compute copies (shards, and full buffers while they are allocated);
     ``padding`` is the part of ``params`` and ``grads`` that pads flat parameters to the world size.
     """
     seen: set[int] = set()
     out = dict.fromkeys(MEMORY_CATEGORIES, 0)
-    out["params"] = _storage_bytes([t for fp in flat_params for t in (fp.full, fp.shard)], seen)
-    out["master"] = _storage_bytes([fp.master for fp in flat_params], seen)
-    out["grads"] = _storage_bytes([fp.grad_shard for fp in flat_params if fp.grad_shard is not None], seen)
-    out["grads"] += _storage_bytes(
-        [p.grad for fp in flat_params for p in fp.unsharded_params if p.grad is not None], seen
-    )
-    state = [v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
-    out["optimizer_state"] = _storage_bytes(state, seen)
+    for category, tensors in category_tensors(flat_params, optimizers).items():
+        out[category] = _storage_bytes([t for t in tensors if keep is None or keep(t)], seen)
     out["padding"] = sum(_padding_bytes(fp) for fp in flat_params)
     return out
 

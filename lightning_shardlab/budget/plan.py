@@ -16,6 +16,11 @@ backward, so backward gathers inside K ranks.
     shardlab plan --params 70e9 --world-size 64 --shard-group-size 8 --intra nvlink --inter infiniband
     shardlab plan --model lightning_shardlab.examples.gpt.GPT --init-args '{"n_layer": 12}' --world-size 8
     shardlab plan --config configs/gpt_finetune_cpu.yaml --world-size 4 --json
+    shardlab plan --params 13e9 --world-size 8 --offload cpu --device-memory 80GB
+
+``--offload cpu|disk`` puts the masters and the optimizer state in host memory or on disk (budget/tiers.py):
+the plan then shows what lives in each tier, what moves to and from it per step and the time on
+``--tier-link``; ``--device-memory`` says whether what stays on the device fits.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from lightning_shardlab.budget.local_link import measure_local_link
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES
 from lightning_shardlab.budget.predict import (
     DEVICES,
@@ -45,8 +51,16 @@ from lightning_shardlab.budget.predict import (
     predict_traffic,
     zero_table_bytes,
 )
+from lightning_shardlab.budget.tiers import (
+    LINKS,
+    plan_fields,
+    plan_rows,
+    predict_locations,
+    predict_moves,
+    split_by_tier,
+)
 from lightning_shardlab.config import DTYPES, PrecisionPolicy, ShardLabConfig, Stage, import_path
-from lightning_shardlab.display import print_table, size
+from lightning_shardlab.display import gigabytes, print_table, size
 from lightning_shardlab.sharding.policy import plan_units
 
 COMPUTE = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": None}
@@ -72,6 +86,14 @@ class Plan:
     link_seconds: dict[str, float]  # lower bound on each link
     comm_seconds: float  # their sum
     compute_seconds: float | None = None
+    offload: str = "none"  # where masters and optimizer state live: none, cpu (host memory) or disk
+    locations: dict[str, dict[str, float]] | None = None  # {tier: {category: bytes}} of the fullest rank
+    tier_moves: dict[str, float] | None = None  # bytes per step to ("down") and from ("up") the offload tier
+    tier_link: str = ""
+    tier_seconds: float = 0.0  # lower bound for those moves on tier_link
+    device_bytes: float = 0.0  # device-resident model state + gathered units at their peak
+    device_memory: float | None = None  # --device-memory, bytes
+    fits: bool | None = None
 
     @property
     def model_state(self) -> float:
@@ -142,6 +164,9 @@ def plan_params(
     inter: Interconnect | None = None,
     config: ShardLabConfig | None = None,
     per_node: int | None = None,
+    offload: str = "none",
+    tier_link: str | None = None,
+    device_memory: float | None = None,
 ) -> Plan:
     """From a parameter count: the ZeRO table at N = G, the shard group size of ``config`` (its
     ``shard_group_size`` and ``reshard_after_forward``; default: the world shards the model), ``link`` inside
@@ -152,6 +177,14 @@ def plan_params(
     mixed = COMPUTE[precision] is not None
     shape = OptimizerShape.named(optimizer)
     memory = zero_table_bytes(params, group, stage, mixed, shape)
+    if offload == "cpu" and not mixed:
+        memory["master"] = 4 * params / group  # the host keeps a master of its own beside the device's shard
+    per_element = shape.per_element * 4 + (4 if mixed else 0)
+    moves = {
+        "none": {"down": 0.0, "up": 0.0},
+        "cpu": {"down": 4 * params / group, "up": (2 if mixed else 4) * params / group},
+        "disk": {"down": per_element * params / group, "up": per_element * params / group},
+    }[offload]
     unsharded = sum(zero_table_bytes(params, 1, Stage.PARAMETERS, mixed, shape).values())
     replicas = world_size // group
     traffic = zero_traffic(params, stage, precision, group, reshard, replicas)
@@ -166,6 +199,7 @@ def plan_params(
         unsharded_bytes=unsharded,
         gathered_peak=0,
         **_groups(traffic, group, reshard, replicas, link, inter or link),
+        **plan_fields(split_by_tier(memory, offload, mixed), moves, offload, tier_link, device_memory, 0),
     )
 
 
@@ -180,6 +214,8 @@ def plan_model(
     *,
     inter: Interconnect | None = None,
     per_node: int | None = None,
+    tier_link: str | None = None,
+    device_memory: float | None = None,
 ) -> Plan:
     """From a real (meta-device) model: its unit layout at the shard group size G (``config.group_sizes``: the
     world unless hybrid), the same arithmetic the ledger sets against what a run measures. Rank r holds what
@@ -190,9 +226,12 @@ def plan_model(
     layouts = [lay for lays in units.values() for lay in lays]
     policy = PrecisionPolicy(COMPUTE[precision], DTYPES[config.reduce_dtype] if config.reduce_dtype else None)
     shape = OptimizerShape.named(optimizer)
-    in_group = [predict_memory(layouts, config.stage, policy, r, shape) for r in range(min(group, 64))]
+    offload = config.offload if config.offload != "auto" else "cpu"
+    in_group = [predict_memory(layouts, config.stage, policy, r, shape, offload) for r in range(min(group, 64))]
     per_rank = [in_group[r % group] for r in range(min(world_size, 64))]
     fullest = max(in_group, key=lambda m: sum(m.values()))
+    r = in_group.index(fullest)
+    locations = predict_locations(layouts, config.stage, policy, r, shape, offload, "host")
     single = [lay for lays in plan_units(model, config, 1).layouts().values() for lay in lays]
     unsharded = sum(v for k, v in predict_memory(single, Stage.PARAMETERS, policy, 0, shape).items() if k != "padding")
     traffic = predict_traffic(
@@ -212,8 +251,11 @@ def plan_model(
         memory_per_rank=fullest,
         per_rank=per_rank,
         unsharded_bytes=unsharded,
-        gathered_peak=predict_gathered_peak(units, config.stage, policy, reshard),
+        gathered_peak=(peak := predict_gathered_peak(units, config.stage, policy, reshard)),
         **_groups(traffic, group, reshard, replicas, link, inter or link),
+        **plan_fields(
+            locations, predict_moves(layouts, policy, offload, shape, r), offload, tier_link, device_memory, peak
+        ),
     )
 
 
@@ -242,45 +284,6 @@ def from_yaml(path: str) -> tuple[str, dict, dict, str | None]:
     if isinstance(strategy, str) and strategy.startswith("shardlab_stage_"):
         strategy_args = {"stage": int(strategy[-1])}
     return model["class_path"], model.get("init_args") or {}, strategy_args, trainer.get("precision")
-
-
-def measure_local_link(nbytes: int = 16 * 2**20, repeats: int = 5) -> Interconnect:
-    """Two gloo ranks on this machine: the latency of a tiny all-gather and the bandwidth of a 16 MiB one."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_calibrate, args=(port, nbytes, repeats, queue), nprocs=2, join=True)
-    latency, seconds = queue.get()
-    bandwidth = (1 / 2) * nbytes / max(seconds - latency, 1e-9)  # a ring of 2: half the full tensor crosses
-    return Interconnect(f"local, measured: {bandwidth / 1e9:.2f} GB/s, {latency * 1e6:.0f} us", bandwidth, latency)
-
-
-def _calibrate(rank: int, port: int, nbytes: int, repeats: int, queue: Any) -> None:
-    import statistics
-    import time
-
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    timings = []
-    for numel in (1, nbytes // 4):
-        shard, full = torch.ones(numel), torch.empty(2 * numel)
-        dist.all_gather_single(full, shard)  # warm up
-        samples = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_gather_single(full, shard)
-            samples.append(time.perf_counter() - start)
-        timings.append(statistics.median(samples))
-    if rank == 0:
-        queue.put(tuple(timings))
-    dist.destroy_process_group()
 
 
 # ---- output ----
@@ -324,6 +327,8 @@ def print_plan(plan: Plan, console: Console) -> None:
         table.add_row("communication >= (both links)", _ms(plan.comm_seconds))
     else:
         table.add_row(f"communication >= ({plan.interconnect})", _ms(plan.comm_seconds))
+    for label, value in plan_rows(asdict(plan)):
+        table.add_row(label, _gb(value) if isinstance(value, float) else value)
     if plan.compute_seconds is not None:
         verdict = "hides behind compute" if plan.comm_seconds <= plan.compute_seconds else "exceeds compute"
         table.add_row("compute per step (estimate)", _ms(plan.compute_seconds))
@@ -367,6 +372,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-step", type=float, help="global tokens per optimizer step, for the compute estimate")
     p.add_argument("--device", choices=tuple(DEVICES), help="for the compute estimate")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation assumed for compute (default 0.4)")
+    p.add_argument("--offload", choices=("none", "cpu", "disk"), help="masters and optimizer state on host or disk")
+    p.add_argument("--tier-link", choices=tuple(LINKS), help="the link to the offload tier (default nvme / pcie5)")
+    p.add_argument("--device-memory", type=gigabytes, help="e.g. 80GB: does the model state fit on one device?")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -385,6 +393,7 @@ def _strategy_options(strategy: dict[str, Any], args: argparse.Namespace) -> Sha
         "stage": args.stage,
         "shard_group_size": args.shard_group_size,
         "reshard_after_forward": args.reshard_after_forward,
+        "offload": args.offload,
     }
     strategy = {**strategy, **{k: v for k, v in given.items() if v is not None}}
     fields = ShardLabConfig.__dataclass_fields__
@@ -399,7 +408,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         precision = args.precision or "bf16-mixed"
         plan = plan_params(
             args.params, args.world_size, config.stage, precision, args.optimizer, intra,
-            inter=inter, config=config, per_node=args.ranks_per_node,
+            inter=inter, config=config, per_node=args.ranks_per_node, offload=config.offload,
+            tier_link=args.tier_link, device_memory=args.device_memory,
         )  # fmt: skip
     else:
         class_path, init_args, strategy, precision = (
@@ -415,6 +425,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
             class_path,
             inter=inter,
             per_node=args.ranks_per_node,
+            tier_link=args.tier_link,
+            device_memory=args.device_memory,
         )
     if args.tokens_per_step and args.device:
         per_rank_tokens = args.tokens_per_step / args.world_size

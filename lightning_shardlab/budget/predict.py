@@ -12,62 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES
 from lightning_shardlab.config import PrecisionPolicy, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
-
-# per-element optimizer state tensors of torch's elementwise optimizers (before hyperparameter extras)
-STATE_TENSORS = {
-    "SGD": 0,
-    "Adam": 2,
-    "AdamW": 2,
-    "Adamax": 2,
-    "NAdam": 2,
-    "RAdam": 2,
-    "Adadelta": 2,
-    "Adagrad": 1,
-    "RMSprop": 1,
-    "Rprop": 2,
-    "ASGD": 1,
-}
-SCALAR_STATE_BYTES = {
-    "Adam": 4,
-    "AdamW": 4,
-    "Adamax": 4,
-    "NAdam": 8,
-    "RAdam": 4,
-    "Adadelta": 4,
-    "Adagrad": 4,
-    "RMSprop": 4,
-    "Rprop": 4,
-    "ASGD": 12,
-}  # 'step' (and NAdam's mu_product, ASGD's eta, mu)
-
-
-@dataclass(frozen=True)
-class OptimizerShape:
-    """How much state an optimizer keeps: tensors per element, and scalar bytes per parameter tensor."""
-
-    per_element: int = 2
-    scalar_bytes: int = 4
-
-    @staticmethod
-    def of(optimizer: torch.optim.Optimizer) -> OptimizerShape:
-        name = type(optimizer).__name__
-        group = optimizer.param_groups[0] if optimizer.param_groups else {}
-        extra = int(bool(group.get("amsgrad"))) + int(group.get("momentum", 0) != 0 and name == "RMSprop")
-        extra += int(bool(group.get("centered")))
-        per = STATE_TENSORS.get(name, 2) + extra
-        if name == "SGD":
-            per = int(group.get("momentum", 0) != 0)
-        return OptimizerShape(per, SCALAR_STATE_BYTES.get(name, 0))
-
-    @staticmethod
-    def named(name: str) -> OptimizerShape:
-        key = {n.lower(): n for n in STATE_TENSORS}[name.lower()]
-        return OptimizerShape(STATE_TENSORS[key] if key != "SGD" else 1, SCALAR_STATE_BYTES.get(key, 0))
+from lightning_shardlab.sharding.optimizer import OptimizerShape
 
 
 def _real_in_shard(layout: FlatParamLayout, rank: int) -> int:
@@ -75,9 +23,16 @@ def _real_in_shard(layout: FlatParamLayout, rank: int) -> int:
 
 
 def predict_memory(
-    layouts: list[FlatParamLayout], stage: Stage, policy: PrecisionPolicy, rank: int, optimizer: OptimizerShape | None
+    layouts: list[FlatParamLayout],
+    stage: Stage,
+    policy: PrecisionPolicy,
+    rank: int,
+    optimizer: OptimizerShape | None,
+    offload: str = "none",
 ) -> dict[str, int]:
-    """Bytes ``rank`` holds between steps, by the ledger's categories, from the layout alone."""
+    """Bytes ``rank`` holds between steps, by the ledger's categories, from the layout alone (wherever they
+    live: budget/tiers.py splits them by tier; ``offload='cpu'`` gives every trainable shard a master of its
+    own in host memory, fp32 training included)."""
     out = dict.fromkeys(MEMORY_CATEGORIES, 0)
     for lay in layouts:
         compute = policy.compute_for(lay.dtype)
@@ -85,13 +40,15 @@ def predict_memory(
         whole = stage is not Stage.PARAMETERS or lay.world_size == 1
         out["params"] += (lay.padded_numel if whole else lay.shard_numel) * c
         out["padding"] += (lay.padding if whole else lay.padding_in_shard(rank)) * c
-        if compute != lay.dtype:
+        if compute != lay.dtype or (offload == "cpu" and lay.requires_grad):
             out["master"] += lay.shard_numel * m
         if lay.requires_grad:
             out["grads"] += lay.shard_numel * c
             out["padding"] += lay.padding_in_shard(rank) * c
             if optimizer is not None:
-                out["optimizer_state"] += _real_in_shard(lay, rank) * optimizer.per_element * m
+                real = _real_in_shard(lay, rank)
+                held = lay.shard_numel if offload == "disk" and real else real  # a file holds the whole shard
+                out["optimizer_state"] += held * optimizer.per_element * m
                 out["optimizer_state"] += len(lay.slots) * optimizer.scalar_bytes
     return out
 

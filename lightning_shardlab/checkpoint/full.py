@@ -159,7 +159,8 @@ def full_optimizer_state(optimizer: Optimizer, sharded: ShardedModel) -> dict[st
     for fp_id, entries in per_fp.items():
         fp = fps[fp_id]
         for key in sorted({k for _, k in entries}):
-            shard = torch.zeros(fp.layout.shard_numel, dtype=fp.master.dtype, device=fp.master.device)
+            # on the device the collective runs on (a master offloaded to host memory is not)
+            shard = torch.zeros(fp.layout.shard_numel, dtype=fp.master.dtype, device=sharded.mesh.shard.device)
             members = [i for i, k in entries if k == key]
             for i in members:
                 slot = fp.layout.slots[index[i][2]]

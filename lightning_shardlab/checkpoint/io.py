@@ -272,6 +272,9 @@ def load_optimizers(optimizers: list[Optimizer], sharded: ShardedModel, checkpoi
             load_full_optimizer_state(optimizer, sharded, state)
     else:
         checkpoint_sharded.load_optimizers(optimizers, sharded, reader, checkpoint["optimizer_states"])
+    if sharded.offload is not None:  # the loaded state goes where the run keeps it (offload/)
+        for optimizer in optimizers:
+            sharded.offload.settle_all(getattr(optimizer, "_optimizer", optimizer))
 
 
 def remove(filepath: str | Path, plugin: CheckpointIO) -> None:

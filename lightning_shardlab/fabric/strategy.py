@@ -170,6 +170,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
             group["params"] = [self._current(p) for p in group["params"]]
         sharded = self._owner_of(optimizer)
         shard_optimizer(optimizer, sharded)
+        self.setup_offload(sharded, [optimizer])
         self._optimizers[id(optimizer)] = sharded
         return optimizer
 

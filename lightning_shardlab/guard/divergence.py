@@ -166,7 +166,7 @@ def check_replicated(
     mine = (
         torch.stack(
             [
-                tensor_digest(e.value) if isinstance(e.value, Tensor) else value_digest(e.value).to(comm.device)
+                (tensor_digest(e.value) if isinstance(e.value, Tensor) else value_digest(e.value)).to(comm.device)
                 for e in entries
             ]
         )

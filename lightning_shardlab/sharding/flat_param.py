@@ -194,8 +194,6 @@ class FlatParam:
         n, s = layout.padded_numel, layout.shard_numel
         start, end = layout.shard_range(rank)
         self.full: Tensor = torch.zeros(n, dtype=self.compute_dtype, device=device)  # 1-D, padded_numel
-        if self.gathers:
-            free_storage(self.full)  # stage 3: allocated only while gathered
         if resident_full or layout.world_size == 1:
             # World size 1: the shard is the whole buffer, so gathering needs no copy at all.
             self.shard: Tensor = self.full[start:end]  # 1-D, S
@@ -218,6 +216,8 @@ class FlatParam:
         for slot in layout.slots:
             lo, hi = layout.slot_in_shard(slot, rank)
             self.master_params.append(nn.Parameter(self.master[lo:hi], layout.requires_grad))
+        if self.gathers:  # stage 3: allocated only while gathered; freed after the aliases (set_ would regrow it)
+            free_storage(self.full)
 
     @property
     def gathers(self) -> bool:
@@ -241,10 +241,21 @@ class FlatParam:
                 self.full.copy_(flat)  # stages 1-2: the resident compute copy, whole
 
     def shard_from_master(self) -> None:
-        """After an optimizer step in mixed precision: refresh the compute-dtype shard."""
+        """After an optimizer step in mixed precision (or with the master offloaded): refresh the compute shard.
+        A master in pinned host memory (offload='cpu') is copied to the device without waiting."""
         if self.master is not self.shard:
             with torch.no_grad():
-                self.shard.copy_(self.master)
+                self.shard.copy_(self.master, non_blocking=self.master.is_pinned())
+
+    def move_master(self, new: Tensor) -> None:
+        """Keep the master shard in ``new`` from now on (1-D, S, e.g. in a file or in host memory): its values are
+        copied, and the master views keep their identity (the optimizer holds them) but view ``new``."""
+        with torch.no_grad():
+            new.copy_(self.master)
+        self.master = new
+        for slot, view in zip(self.layout.slots, self.master_params):
+            lo, hi = self.layout.slot_in_shard(slot, self.rank)
+            view.data = new[lo:hi]
 
     def keep_group_shard(self, place: int, size: int) -> None:
         """Before the full buffer is freed after forward: keep slice ``place`` of ``size`` (a copy)."""

@@ -4,9 +4,10 @@ A flat parameter's grad shard (1-D, S, grad dtype) accumulates every reduce-scat
 user last cleared the gradients. The optimizer sees it through the master views' ``.grad``:
 
 - fp32 training: views of the grad shard itself (no copy);
-- mixed precision: views of ``master_grad``, an fp32 copy made when the gradients are shown and
-  dropped after the optimizer's step, so between steps only the 2-byte grad shard stays (DeepSpeed's
-  ledger: 2 B compute copy + 2 B gradient + 4 B master + 8 B moments).
+- mixed precision (or a master in host memory, offload='cpu'): views of ``master_grad``, an fp32 copy
+  beside the master, made when the gradients are shown and dropped after the optimizer's step, so between
+  steps only the 2-byte grad shard stays (DeepSpeed's ledger: 2 B compute copy + 2 B gradient + 4 B
+  master + 8 B moments).
 
 The user clears gradients through the master views (``zero_grad`` sets them to None, or zeroes them).
 Nothing here communicates.
@@ -55,8 +56,9 @@ def show(fp: FlatParam, used: Tensor) -> None:
     """Point each used, trainable parameter's master view ``.grad`` at its slice of the gradient."""
     assert fp.grad_shard is not None, f"{fp.layout.name} has no grad shard"
     source = fp.grad_shard
-    if fp.grad_dtype != fp.master.dtype:
-        fp.master_grad = fp.grad_shard.to(fp.master.dtype)  # 1-D, S: the optimizer's fp32 view, until its step
+    if fp.grad_dtype != fp.master.dtype or fp.grad_shard.device != fp.master.device:
+        # 1-D, S: the optimizer's fp32 view (in host memory when the master is offloaded there), until its step
+        fp.master_grad = torch.empty_like(fp.master, pin_memory=fp.master.is_pinned()).copy_(fp.grad_shard)
         source = fp.master_grad
     for i, (master, lo, hi) in enumerate(_slices(fp)):
         if used[i] and master.requires_grad:  # not frozen by the user, e.g. toggle_optimizer()

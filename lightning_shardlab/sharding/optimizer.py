@@ -10,6 +10,7 @@ element depends on that element alone; optimizers that are not elementwise are r
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +42,61 @@ NOT_ELEMENTWISE: dict[str, str] = {
     "Muon": "it orthogonalises each whole weight matrix",
     "SparseAdam": "it needs sparse gradients of whole embedding tables",
 }
+
+
+# per-element optimizer state tensors of torch's elementwise optimizers (before hyperparameter extras)
+STATE_TENSORS = {
+    "SGD": 0,
+    "Adam": 2,
+    "AdamW": 2,
+    "Adamax": 2,
+    "NAdam": 2,
+    "RAdam": 2,
+    "Adadelta": 2,
+    "Adagrad": 1,
+    "RMSprop": 1,
+    "Rprop": 2,
+    "ASGD": 1,
+}
+SCALAR_STATE_BYTES = {
+    "Adam": 4,
+    "AdamW": 4,
+    "Adamax": 4,
+    "NAdam": 8,
+    "RAdam": 4,
+    "Adadelta": 4,
+    "Adagrad": 4,
+    "RMSprop": 4,
+    "Rprop": 4,
+    "ASGD": 12,
+}  # 'step' (and NAdam's mu_product, ASGD's eta, mu)
+
+
+@dataclass(frozen=True)
+class OptimizerShape:
+    """How much state an optimizer keeps: tensors per element, and scalar bytes per parameter tensor."""
+
+    per_element: int = 2
+    scalar_bytes: int = 4
+
+    @staticmethod
+    def of(optimizer: torch.optim.Optimizer) -> OptimizerShape:
+        # the first known class up the hierarchy (offload steps a ``Chunked<Class>`` subclass, offload/stepping.py)
+        name = next(
+            (c.__name__ for c in type(optimizer).__mro__ if c.__name__ in STATE_TENSORS), type(optimizer).__name__
+        )
+        group = optimizer.param_groups[0] if optimizer.param_groups else {}
+        extra = int(bool(group.get("amsgrad"))) + int(group.get("momentum", 0) != 0 and name == "RMSprop")
+        extra += int(bool(group.get("centered")))
+        per = STATE_TENSORS.get(name, 2) + extra
+        if name == "SGD":
+            per = int(group.get("momentum", 0) != 0)
+        return OptimizerShape(per, SCALAR_STATE_BYTES.get(name, 0))
+
+    @staticmethod
+    def named(name: str) -> OptimizerShape:
+        key = {n.lower(): n for n in STATE_TENSORS}[name.lower()]
+        return OptimizerShape(STATE_TENSORS[key] if key != "SGD" else 1, SCALAR_STATE_BYTES.get(key, 0))
 
 
 def is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
@@ -105,14 +161,15 @@ def global_grad_norm(params: list[Tensor], norm_type: float, comm: Comm) -> Tens
     each parameter's slices partition it (sum of p-th powers for p < inf, max for inf).
     """
     grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else comm.device
+    device = grads[0].device if grads else comm.device  # the host's with offload='cpu': the sum travels
     if math.isinf(norm_type):
         maxima = [g.abs().max().float() for g in grads if g.numel()]
         local = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
-        return collectives.all_reduce(local.clone(), comm, op="max", label="grad norm")
+        return collectives.all_reduce(local.to(comm.device, copy=True), comm, op="max", label="grad norm")
     powers = [torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads]
     local = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
-    return collectives.all_reduce(local.clone(), comm, op="sum", label="grad norm") ** (1.0 / norm_type)
+    total = collectives.all_reduce(local.to(comm.device, copy=True), comm, op="sum", label="grad norm")
+    return total ** (1.0 / norm_type)
 
 
 def clip_grad_norm_(params: list[Tensor], max_norm: float, norm_type: float, comm: Comm) -> Tensor:
@@ -123,5 +180,5 @@ def clip_grad_norm_(params: list[Tensor], max_norm: float, norm_type: float, com
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
+            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
     return total

@@ -49,6 +49,7 @@ class ShardedModel:
         self.comm = mesh.world  # agreements, buffers, checkpoints' plans; the flat parameters move in mesh.shard
         self.policy = policy
         self.averages: Any = None  # averaged weights (averages.Averages), kept while ShardLabEMA runs
+        self.offload: Any = None  # where masters and optimizer state live when offloaded (offload/), else None
         # called with (unit, flat param, flat grad) for each reduction, before the grads are averaged
         self.grad_observers: list[Callable[[Unit, FlatParam, Tensor], None]] = []
         self._sync = True  # reduce gradients in this backward (False inside no_sync())
@@ -315,6 +316,7 @@ class ShardedModel:
         shard = fp.master if shard is None else shard
         if shard is fp.shard and (fp.resident_full or fp.layout.world_size == 1):
             return fp.full
+        shard = shard.to(self.mesh.shard.device)  # a master offloaded to host memory travels to the device first
         out = torch.empty(fp.layout.padded_numel, dtype=shard.dtype, device=shard.device)
         collectives.all_gather(out, shard, self.mesh.shard, label=f"state_dict {fp.layout.name}")
         return out
