@@ -15,14 +15,13 @@ in fp32 the master is the compute shard and stays) read once and written once pe
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.bench import SETTINGS, _model, _peak_rss, _summary, _tokens, machine
-from benchmarks.ranks import run_ranks, timing_trainer
+from benchmarks.ranks import interleaved, run_ranks, save_report, timing_trainer
 
 WORLD = 2
 VARIANTS = {
@@ -155,14 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="benchmarks/OFFLOAD.md")
     args = p.parse_args(argv)
     offload_dir = args.offload_dir or tempfile.gettempdir()
-    samples: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    for _ in range(args.repeats):
-        for variant in VARIANTS:
-            samples[variant].append(sample(variant, args.setting, args.warmup, args.steps, offload_dir))
-    Path(args.out).with_suffix(".json").write_text(json.dumps(samples, indent=1))
-    text = report(samples, args)
-    Path(args.out).write_text(text + "\n")
-    print(text)
+    samples = interleaved(
+        VARIANTS, args.repeats, lambda v: sample(v, args.setting, args.warmup, args.steps, offload_dir)
+    )
+    save_report(args.out, samples, report(samples, args))
 
 
 if __name__ == "__main__":

@@ -55,3 +55,22 @@ def timing_trainer(**kwargs: Any) -> Any:
     import lightning as L
 
     return L.Trainer(**QUIET, **kwargs)
+
+
+def interleaved(variants: Any, repeats: int, sample: Callable[[str], dict]) -> dict[str, list[dict]]:
+    """``repeats`` rounds, each running every variant once in turn (so drift hits all alike): samples by variant."""
+    samples: dict[str, list[dict]] = {v: [] for v in variants}
+    for _ in range(repeats):
+        for variant in variants:
+            samples[variant].append(sample(variant))
+    return samples
+
+
+def save_report(out: str, samples: dict[str, list[dict]], text: str) -> None:
+    """The markdown to ``out``, the raw samples beside it (``.json``), the markdown to stdout."""
+    import json
+    from pathlib import Path
+
+    Path(out).with_suffix(".json").write_text(json.dumps(samples, indent=1))
+    Path(out).write_text(text + "\n")
+    print(text)

@@ -17,6 +17,7 @@ See ``configs/gpt_*.yaml`` for complete examples. The other subcommands are tool
 
     shardlab plan --params 70e9 --world-size 64 --stage 3      # the budget before the hardware
     shardlab consolidate SRC DST                               # a sharded checkpoint -> one plain Lightning file
+    shardlab export SRC DST [--prefix model.] [--dtype bf16]   # -> safetensors, Hugging Face layout
     shardlab inspect CKPT [--verify] [--json]                  # stage, world size, units, bytes per rank
 """
 
@@ -38,6 +39,10 @@ TOOLS = {  # subcommand -> (module whose main(argv) runs it, what it does)
     "consolidate": (
         "lightning_shardlab.checkpoint.consolidate",
         "a sharded checkpoint -> one plain Lightning checkpoint file (no process group)",
+    ),
+    "export": (
+        "lightning_shardlab.checkpoint.export",
+        "a checkpoint -> safetensors in the Hugging Face layout (from_pretrained loads it), streamed",
     ),
     "inspect": (
         "lightning_shardlab.checkpoint.inspect",

@@ -156,6 +156,10 @@ class ShardLabConfig:
     offload_dir: str | None = None
     """``offload='disk'``: the directory that holds the files (None: the system's temporary directory)."""
 
+    async_save: bool = False
+    """Sharded checkpoints are written on a background thread from host copies; the save concludes (COMPLETE
+    written, the directory moved into place) at the next save, load or the end of fit (checkpoint/async_save.py)."""
+
     unit_types: tuple[type[nn.Module], ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -190,8 +194,13 @@ class ShardLabConfig:
             )
         object.__setattr__(self, "gradient_clip_norm_type", float(norm))
         check_positive("timeout_s", self.timeout_s, "a positive number of seconds")
-        for option in ("find_unused_parameters", "broadcast_buffers"):
+        for option in ("find_unused_parameters", "broadcast_buffers", "async_save"):
             check_bool(option, getattr(self, option))
+        if self.async_save and self.state_dict_type == "full":
+            raise ValueError(
+                "`async_save=True` writes sharded checkpoints in the background, not state_dict_type='full' files."
+                " HINT: use state_dict_type='sharded' (the default), and `shardlab consolidate` for one file later."
+            )
         self._check_groups()
         for option in ("unit_classes", "elementwise_optimizers"):
             value = getattr(self, option)

@@ -38,6 +38,20 @@ def print_table(console: Console, table: Table) -> None:
         console.width = width
 
 
+UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, unit: str = "b") -> float:
+    """'5GB', '500MB', '24.5GiB', '80' (in ``unit``) -> bytes. Decimal units as devices and Hugging Face count."""
+    lowered = text.strip().lower()
+    suffix = next((u for u in sorted(UNITS, key=len, reverse=True) if lowered.endswith(u)), "")
+    number = lowered.removesuffix(suffix).strip() if suffix else lowered
+    try:
+        return float(number) * UNITS[suffix or unit]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size. HINT: write e.g. 5GB, 500MB or 24GiB.") from None
+
+
 def gigabytes(text: str) -> float:
-    """'80GB', '80', '24.5gb' (decimal GB, as devices are sold) -> bytes."""
-    return float(text.lower().removesuffix("gb").removesuffix("g")) * 1e9
+    """'80GB', '80', '24.5gb' (a bare number in decimal GB, as devices are sold) -> bytes."""
+    return parse_size(text, unit="gb")

@@ -67,6 +67,8 @@ OPTIONS_DOC = """
             parameter at a time), 'auto' (the tier below the device: 'cpu' on a GPU, 'disk' on a CPU run).
         offload_dir: offload='disk': the directory of the files (default: the system's temporary directory);
             checked writable, and large enough for the layout, before training.
+        async_save: sharded checkpoints are written on a background thread (from host copies taken at the save)
+            while training goes on; the next save, a load or the end of fit completes them (Trainer only).
         sanity_every_n_steps: before every K-th training batch compare collective fingerprints, replicated
             state and batches across ranks (one tiny all-gather each); 0: off. See docs/sanity.md.
         strict_collectives: debug mode: compare every collective's fingerprint across ranks before it runs.
@@ -98,6 +100,7 @@ def options_to_configs(
     state_dict_type: str = "sharded",
     offload: str = "none",
     offload_dir: str | None = None,
+    async_save: bool = False,
     sanity_every_n_steps: int = 10,
     strict_collectives: bool = False,
     verify_collectives: bool = True,
@@ -125,6 +128,7 @@ def options_to_configs(
         state_dict_type=state_dict_type,
         offload=offload,
         offload_dir=offload_dir,
+        async_save=async_save,
     )
     sanity = SanityConfig(
         every_n_steps=sanity_every_n_steps,

@@ -13,6 +13,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -24,6 +25,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shardlab.checkpoint import io as ckpt
+from lightning_shardlab.checkpoint.async_save import AsyncSaver
 from lightning_shardlab.checkpoint.rank_state import Owners
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.config import Accumulation
@@ -78,6 +80,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.comm: Comm | None = None
         self.sharded: ShardedModel | None = None
+        self._saver: AsyncSaver | None = None  # async_save (or Lightning's AsyncCheckpointIO): the save in flight
 
     # ---- devices, ranks, process group (distributed.py) ----
 
@@ -304,12 +307,42 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
             self.precision_plugin.precision,
             self.checkpoint_io,
             storage_options,
+            saver=self.saver,
         )
+
+    @property
+    def saver(self) -> AsyncSaver | None:
+        """The background writer of ``async_save=True``, or of Lightning's ``AsyncCheckpointIO`` plugin (sharded
+        checkpoints: their files are ours to write); None when saves are synchronous."""
+        if self._saver is None and (self.config.async_save or isinstance(self.checkpoint_io, AsyncCheckpointIO)):
+            if self.config.state_dict_type == "full":
+                raise ValueError(
+                    "async_save (or AsyncCheckpointIO) writes sharded checkpoints in the background, not"
+                    " state_dict_type='full' files. HINT: use state_dict_type='sharded' (the default), and"
+                    " `shardlab consolidate` for one file later."
+                )
+            self._saver = AsyncSaver()
+        return self._saver
+
+    def wait_for_checkpoint(self) -> None:
+        """Collective: complete the checkpoint in flight (async_save), raising its failure on every rank."""
+        if self._saver is not None:
+            self._saver.wait()
+
+    @override
+    def on_train_end(self) -> None:
+        self.wait_for_checkpoint()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._saver is not None:  # no collective now: the save in flight is left incomplete, the last stays
+            self._saver.abandon()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Collective: either format, verified, the same verdict on every rank; per-rank entries restored."""
         assert self.sharded is not None and self.lightning_module is not None
+        self.wait_for_checkpoint()
         owners = Owners.of(self.lightning_module.trainer)
         return ckpt.load(checkpoint_path, self.sharded, owners, weights_only, self.checkpoint_io)
 
@@ -322,8 +355,14 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            ckpt.remove(filepath, self.checkpoint_io)
+        def remove() -> None:
+            if self.is_global_zero:
+                ckpt.remove(filepath, self.checkpoint_io)
+
+        if self._saver is not None:
+            self._saver.after(remove)  # the old one goes once the checkpoint in flight is complete
+        else:
+            remove()
 
     @property
     @override
@@ -349,6 +388,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
         assert self.cluster_environment is not None and self.accelerator is not None
         if self.sharded is not None:
             self.sharded.wait_gathers()  # the refresh after the last optimizer step may still be travelling
+            self.wait_for_checkpoint()
         lm = self.lightning_module
         if (
             lm is not None

@@ -36,6 +36,8 @@ from tests.models import OddNet, OrderedData, TinyGPT, token_dataset
         ({"elementwise_optimizers": "torch.optim.SGD"}, ["elementwise_optimizers", "list"]),
         ({"timeout_s": 0}, ["timeout_s"]),
         ({"offload": "nvme"}, ["offload", "'none', 'cpu', 'disk', 'auto'"]),
+        ({"async_save": "yes"}, ["async_save", "True or False"]),
+        ({"async_save": True, "state_dict_type": "full"}, ["async_save=True", "state_dict_type='sharded'"]),
         ({"offload": "disk", "offload_dir": 3}, ["offload_dir", "a directory path"]),
     ],
 )
@@ -186,3 +188,21 @@ def test_a_full_disk_while_making_an_offload_file_names_the_directory_and_the_by
     with pytest.raises(OffloadSpaceError, match=r"could not reserve 4,000 bytes for blocks.0.exp_avg in offload_dir="):
         FileTier(tmp_path).tensor("blocks.0.exp_avg", 1000, torch.float32)
     assert os.listdir(tmp_path) == []  # nothing left behind
+
+
+def test_async_save_is_refused_where_no_point_completes_it() -> None:
+    """Fabric has no end of fit to complete the last background save at; Lightning's AsyncCheckpointIO asks for
+    background saves, which full files are not."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from lightning_shardlab import fabric as shardlab_fabric
+
+    with pytest.raises(ValueError, match="`async_save=True` is for the Trainer"):
+        shardlab_fabric.ShardLabStrategy(async_save=True)
+    strategy = ShardLabStrategy(state_dict_type="full")
+    strategy.checkpoint_io = AsyncCheckpointIO()
+    with pytest.raises(ValueError, match="not state_dict_type='full' files"):
+        _ = strategy.saver
+    strategy = ShardLabStrategy()
+    strategy.checkpoint_io = AsyncCheckpointIO()
+    assert strategy.saver is not None  # Lightning's plugin: sharded saves go to the background

@@ -77,7 +77,7 @@ def shardlab(*args: str, cwd: Path) -> str:
 
 def test_help_lists_every_subcommand_tools_included(tmp_path: Path) -> None:
     output = shardlab("--help", cwd=tmp_path)
-    for subcommand in ("fit", "validate", "test", "predict", "plan", "consolidate", "inspect"):
+    for subcommand in ("fit", "validate", "test", "predict", "plan", "consolidate", "export", "inspect"):
         assert re.search(rf"^  {subcommand}\s", output, re.M), output
 
 

@@ -36,7 +36,7 @@ def test_public_names_strategies_and_subcommands_stay_where_users_find_them() ->
     for name in STRATEGIES:
         assert StrategyRegistry[name]["strategy"] is lightning_shardlab.ShardLabStrategy
     text = cli.usage()
-    for command in ("fit", "validate", "test", "predict", "plan", "consolidate", "inspect"):
+    for command in ("fit", "validate", "test", "predict", "plan", "consolidate", "export", "inspect"):
         assert f"  {command} " in text
     for module, _ in cli.TOOLS.values():
         assert callable(importlib.import_module(module).main)

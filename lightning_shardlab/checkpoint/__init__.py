@@ -18,8 +18,12 @@ either (checkpoint/inspect.py). The files, one concept each:
     full.py         full state dicts: gather, and slice back into shards
     format.py       the sharded format on disk: metadata, verification, reads of element ranges
     sharded.py      the collective sharded save and load
+    shard_tensors.py  what one rank's shard file holds
+    async_save.py   a save written in the background (``async_save=True``), completed at the next wait
     rank_state.py   per-rank side state
     files.py        atomic commit, fsync, sizes and checksums
     consolidate.py  a sharded checkpoint into a full one, in one process (``shardlab consolidate``)
+    stream_save.py  torch's file format, written one tensor at a time
+    export.py       safetensors in the Hugging Face layout (``shardlab export``)
     inspect.py      what a checkpoint holds (``shardlab inspect``)
 """

@@ -81,6 +81,7 @@ import torch
 from torch import Tensor
 
 from lightning_shardlab.checkpoint.files import CheckpointError, check_file, leftovers
+from lightning_shardlab.offload.files import drop_pages
 from lightning_shardlab.sharding.flat_param import FlatParamLayout, ParamSlot
 
 FORMAT = "shardlab-sharded"
@@ -298,7 +299,10 @@ class CheckpointReader:
             if b > a:
                 parts.append(self._shard(rank)[name][a - start : b - start])
         dtype = parse_dtype(self.tensors[index][kind])
-        return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+        out = torch.cat(parts) if parts else torch.empty(0, dtype=dtype)  # a copy: the mapped pages can go
+        for part in parts:
+            drop_pages(part)  # so reading a whole checkpoint never holds it in memory
+        return out
 
     def read_param(self, kind: str, fqn: str, a: int, b: int) -> Tensor:
         """Elements ``[a, b)`` of parameter ``fqn`` (in its own flattened order) of tensor ``kind``. 1-D."""

@@ -12,6 +12,7 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from torch.optim import Optimizer
 
 from lightning_shardlab.checkpoint import sharded as checkpoint_sharded
+from lightning_shardlab.checkpoint.async_save import AsyncSaver
 from lightning_shardlab.checkpoint.fabric_state import weights_of
 from lightning_shardlab.checkpoint.files import (
     CheckpointError,
@@ -93,6 +94,7 @@ def save(
     plugin: CheckpointIO,
     storage_options: Any = None,
     reshape: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    saver: AsyncSaver | None = None,
 ) -> None:
     """Collective: write Lightning's dump (from ``module_state`` / ``optimizer_state``) atomically; a full file
     is written as ``reshape`` makes it (Fabric: the user's keys)."""
@@ -107,7 +109,7 @@ def save(
             f" storage_options={storage_options!r}. HINT: use a file system path, or state_dict_type='full' to"
             " write one file through the CheckpointIO plugin."
         )
-    checkpoint_sharded.save_sharded(checkpoint, filepath, sharded, optimizers, precision)
+    checkpoint_sharded.save_sharded(checkpoint, filepath, sharded, optimizers, precision, saver)
 
 
 def _save_full(

@@ -6,6 +6,8 @@ Save, every rank::
 
     1. agree (one all-gather): destination, temporary directory, optimizer state keys, per-rank entries
     2. write shard-r-of-N.pt (and rank-state-r-of-N.pt) into <name>.tmp-<id>; report size and sha256
+       (``async_save``: on a background thread, from copies; 3-5 run when the next save, a load or the end
+       of fit waits for it: checkpoint/async_save.py)
     3. agree (one all-gather) that every rank's files are written
     4. rank 0: trainer_state.pt, metadata.json, COMPLETE (last), then move the directory into place
     5. agree (one broadcast) on rank 0's outcome: every rank returns, or every rank raises
@@ -17,7 +19,10 @@ the verdict (one all-gather), then read its slices and re-gather the compute cop
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
+from copy import deepcopy as copy_of
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_shardlab.checkpoint.async_save import AsyncSaver
 from lightning_shardlab.checkpoint.files import (
     CheckpointError,
     clear_leftovers,
@@ -47,14 +53,12 @@ from lightning_shardlab.checkpoint.format import (
     CheckpointReader,
     dtype_name,
     layout_record,
-    master_key,
-    optim_key,
     rank_state_file,
-    saved_range,
     shard_file,
 )
 from lightning_shardlab.checkpoint.full import optimizer_index, param_names
 from lightning_shardlab.checkpoint.rank_state import KeyPath, differing_paths, get_or_absent, show, tree_digests
+from lightning_shardlab.checkpoint.shard_tensors import shard_tensors
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.sharding.flat_param import FlatParam
 from lightning_shardlab.sharding.optimizer import is_per_element
@@ -95,73 +99,17 @@ def _agree_optimizers(everyone: list[dict[str, Any]], count: int) -> list[dict[s
     return agreed
 
 
-def _shard_tensors(
-    sharded: ShardedModel, optimizers: list[Optimizer], states: list[Mapping[str, Any]], agreed: list[dict[str, Any]]
-) -> tuple[dict[str, Tensor], list[dict[str, str]]]:
-    """This rank's shard file content, and per flat parameter the tensor kinds every shard file holds."""
-    tensors: dict[str, Tensor] = {}
-    kinds: list[dict[str, str]] = []
-    fps = sharded.flat_params
-    averaged = sharded.averages.shards if sharded.averages is not None else [None] * len(fps)
-    for fp, avg in zip(fps, averaged):
-        lo, hi = saved_range(fp.layout, fp.rank)
-        tensors[master_key(fp.layout.name)] = _saved(fp.master, hi - lo)
-        kinds.append({"master": dtype_name(fp.master.dtype)})
-        if avg is not None:  # ShardLabEMA's average of this shard
-            tensors[f"{EMA}/{fp.layout.name}"] = _saved(avg, hi - lo)
-            kinds[-1][EMA] = dtype_name(avg.dtype)
-    for o, (optimizer, state, plan) in enumerate(zip(optimizers, states, agreed)):
-        index = optimizer_index(optimizer, sharded)
-        keys_per_fp: dict[int, dict[str, str]] = {}
-        members: dict[int, list[int]] = {}  # id(flat param) -> its parameter indices in this optimizer
-        for j, (_, owner, _) in enumerate(index):
-            members.setdefault(id(owner), []).append(j)
-        for j, keys in plan["per_element"].items():
-            keys_per_fp.setdefault(id(index[j][1]), {}).update(keys)
-        for f, fp in enumerate(fps):
-            lo, hi = saved_range(fp.layout, fp.rank)
-            for key, dtype in sorted(keys_per_fp.get(id(fp), {}).items()):
-                values = [(j, state["state"].get(j, {}).get(key)) for j in members[id(fp)]]
-                flat = _state_from_file(sharded, optimizer, fp, key, [v for _, v in values], hi - lo)
-                if flat is None:
-                    flat = torch.zeros(hi - lo, dtype=getattr(torch, dtype))  # 1-D, this rank's unpadded elements
-                    for j, value in values:
-                        if value is not None:
-                            a, b = fp.layout.slot_in_shard(fp.layout.slots[index[j][2]], fp.rank)
-                            flat[a:b] = value.detach().reshape(-1).to("cpu")
-                tensors[optim_key(o, key, fp.layout.name)] = flat
-                kinds[f][f"optim{o}/{key}"] = dtype
-    return tensors, kinds
-
-
-def _saved(tensor: Tensor, n: int) -> Tensor:
-    """What a shard file holds of ``tensor`` (1-D): its first ``n`` elements. A CPU tensor that is its storage's
-    only content (a stage 3 shard, a master of its own, an offload file) is written from where it lies, not
-    copied first (``torch.save`` writes a view's whole storage: the padding's few elements come along);
-    anything else (a view of a resident full buffer, a device tensor) is copied out."""
-    alone = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
-    return tensor[:n].detach() if tensor.device.type == "cpu" and alone else tensor[:n].detach().to("cpu", copy=True)
-
-
-def _state_from_file(
-    sharded: ShardedModel, optimizer: Optimizer, fp: FlatParam, key: str, values: list[Tensor | None], n: int
-) -> Tensor | None:
-    """The offload file of ``optimizer``'s state ``key`` for ``fp`` when every parameter's value is a view of it
-    (or empty: a parameter outside this shard), written from the file's pages; else None (copied out)."""
-    offload = sharded.offload
-    file = offload.state_file(optimizer, fp, key) if offload is not None and offload.tier == "disk" else None
-    if file is None:
-        return None
-    ptr = file.untyped_storage().data_ptr()
-    inside = all(v is not None and (v.numel() == 0 or v.untyped_storage().data_ptr() == ptr) for v in values)
-    return file[:n] if inside else None
-
-
 def save_sharded(
-    checkpoint: dict[str, Any], filepath: str | Path, sharded: ShardedModel, optimizers: list[Optimizer], precision: str
+    checkpoint: dict[str, Any],
+    filepath: str | Path,
+    sharded: ShardedModel,
+    optimizers: list[Optimizer],
+    precision: str,
+    saver: AsyncSaver | None = None,
 ) -> None:
     """Collective: write ``checkpoint`` (Lightning's dump, with this rank's local optimizer state dicts and
-    the module's replicated entries) as a sharded checkpoint directory, atomically."""
+    the module's replicated entries) as a sharded checkpoint directory, atomically. With ``saver`` (async):
+    1. runs now, 2. on the saver's thread from copies taken now, 3-5 when the saver next waits."""
     comm = sharded.comm
     final = Path(filepath).absolute()
     states = checkpoint.get("optimizer_states", [])
@@ -177,11 +125,45 @@ def save_sharded(
     tmp = tmp_path(final, everyone[0]["tmp_id"])
     agreed = _agree_optimizers(everyone, len(states))
     rank_paths = differing_paths([e["digests"] for e in everyone])
-    written = _write_rank_files(tmp, checkpoint, sharded, optimizers, agreed, rank_paths)  # 2.
+    background = saver is not None
+    try:
+        contents = _rank_contents(checkpoint, sharded, optimizers, agreed, rank_paths, copy=background)
+    except Exception as err:  # noqa: BLE001  (reported to every rank at 3., which all raise)
+        contents = {"error": f"rank {comm.rank} could not take its part: {type(err).__name__}: {err}", "kinds": []}
+    trainer_state = _trainer_state(checkpoint, sharded, agreed, rank_paths) if comm.rank == 0 else {}
+    if background:
+        trainer_state = copy_of(trainer_state)  # its tensors (buffers) go on changing
+    plan = SavePlan(tmp, final, trainer_state, sharded, indexes, agreed, rank_paths, precision, contents["kinds"])
+    conclude = functools.partial(_conclude, plan)
+    write = functools.partial(_write_rank_files, tmp, contents, sharded)
+    if saver is None:
+        conclude(write())
+    else:
+        saver.submit(write, conclude)
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """What the ranks agreed in 1. and what rank 0 needs for 4."""
+
+    tmp: Path
+    final: Path
+    trainer_state: dict[str, Any]  # rank 0's trainer_state.pt ({} elsewhere)
+    sharded: ShardedModel
+    indexes: list[list[tuple[Tensor, FlatParam, int]]]
+    agreed: list[dict[str, Any]]
+    rank_paths: list[KeyPath]
+    precision: str
+    kinds: list[dict[str, str]]  # per flat parameter, the tensor kinds every shard file holds
+
+
+def _conclude(plan: SavePlan, written: dict[str, Any]) -> None:
+    """3.-5. Collective: every rank's files are written (or not): rank 0 finishes, every rank learns the outcome."""
+    comm = plan.sharded.comm
     reports = collectives.all_gather_object(written, comm, label="checkpoint files")  # 3.
     outcome = None
     if comm.rank == 0:  # 4.
-        outcome = _finish(tmp, final, checkpoint, sharded, indexes, agreed, rank_paths, reports, precision)
+        outcome = _finish(plan, reports)
     outcome = collectives.broadcast_object(outcome, comm)  # 5.
     if outcome is not None:
         raise CheckpointError(outcome)
@@ -195,66 +177,70 @@ def same_destination(paths: list[str], action: str) -> None:
         )
 
 
-def _write_rank_files(
-    tmp: Path,
+def _rank_contents(
     checkpoint: dict[str, Any],
     sharded: ShardedModel,
     optimizers: list[Optimizer],
     agreed: list[dict[str, Any]],
     rank_paths: list[KeyPath],
+    copy: bool,
 ) -> dict[str, Any]:
-    """2. This rank's files; ``{"files": {name: record}, "kinds": ...}`` or ``{"error": message}``. With
-    hybrid sharding the shard groups hold equal shards: the first group writes them, each shard once."""
+    """What this rank's files will hold: its shard tensors, and its values of the entries that differ by rank."""
+    states = checkpoint.get("optimizer_states", [])
+    tensors, kinds = shard_tensors(sharded, optimizers, states, agreed, copy)
+    values = [get_or_absent(checkpoint, p) for p in rank_paths]
+    return {"tensors": tensors, "kinds": kinds, "values": copy_of(values) if copy else values}
+
+
+def _write_rank_files(tmp: Path, contents: dict[str, Any], sharded: ShardedModel) -> dict[str, Any]:
+    """2. This rank's files; ``{"files": {name: record}}`` or ``{"error": message}``. With hybrid sharding the
+    shard groups hold equal shards: the first group writes them, each shard once."""
     comm, shard = sharded.comm, sharded.mesh.shard
+    if "error" in contents:
+        return {"error": contents["error"]}
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        states = checkpoint.get("optimizer_states", [])
-        tensors, kinds = _shard_tensors(sharded, optimizers, states, agreed)
         files = {}
         if sharded.mesh.replica.rank == 0:
             name = shard_file(shard.rank, shard.world_size)
-            files[name] = write_torch(tensors, tmp / name)
-        if rank_paths:
-            values = [get_or_absent(checkpoint, p) for p in rank_paths]
+            files[name] = write_torch(contents["tensors"], tmp / name)
+        if contents["values"]:
             name = rank_state_file(comm.rank, comm.world_size)
-            files[name] = write_torch({"values": values}, tmp / name)
-        return {"files": files, "kinds": kinds}
+            files[name] = write_torch({"values": contents["values"]}, tmp / name)
+        return {"files": files}
     except Exception as err:  # noqa: BLE001  (reported to every rank, which all raise)
         return {"error": f"rank {comm.rank} could not write its part of {tmp}: {type(err).__name__}: {err}"}
 
 
-def _finish(
-    tmp: Path,
-    final: Path,
-    checkpoint: dict[str, Any],
-    sharded: ShardedModel,
-    indexes: list[list[tuple[Tensor, FlatParam, int]]],
-    agreed: list[dict[str, Any]],
-    rank_paths: list[KeyPath],
-    reports: list[dict[str, Any]],
-    precision: str,
-) -> str | None:
+def _trainer_state(
+    checkpoint: dict[str, Any], sharded: ShardedModel, agreed: list[dict[str, Any]], rank_paths: list[KeyPath]
+) -> dict[str, Any]:
+    """Rank 0's trainer_state.pt: Lightning's dump without the sharded tensors (optimizer scalars kept)."""
+    trainer_state = dict(checkpoint)
+    if "optimizer_states" in checkpoint:
+        trainer_state["optimizer_states"] = [
+            {"state": plan["scalars"], "param_groups": state["param_groups"]}
+            for plan, state in zip(agreed, checkpoint["optimizer_states"])
+        ]
+    trainer_state[RANK_STATES_KEY] = {
+        "world_size": sharded.comm.world_size,
+        "paths": [list(p) for p in rank_paths],
+        "broadcast_buffers": sharded.config.broadcast_buffers,
+    }
+    return trainer_state
+
+
+def _finish(plan: SavePlan, reports: list[dict[str, Any]]) -> str | None:
     """4. Rank 0: the shared files, the marker, the move into place. Returns an error message or None."""
     errors = [r["error"] for r in reports if "error" in r]
+    tmp, final = plan.tmp, plan.final
     try:
         if errors:
             raise CheckpointError("; ".join(errors))
         clear_leftovers(final, keep=tmp)
         files = {name: record for r in reports for name, record in r["files"].items()}
-        trainer_state = dict(checkpoint)
-        if "optimizer_states" in checkpoint:
-            trainer_state["optimizer_states"] = [
-                {"state": plan["scalars"], "param_groups": state["param_groups"]}
-                for plan, state in zip(agreed, checkpoint["optimizer_states"])
-            ]
-        config = sharded.config
-        trainer_state[RANK_STATES_KEY] = {
-            "world_size": sharded.comm.world_size,
-            "paths": [list(p) for p in rank_paths],
-            "broadcast_buffers": config.broadcast_buffers,
-        }
-        files[TRAINER_STATE] = write_torch(trainer_state, tmp / TRAINER_STATE)
-        meta = _metadata(sharded, indexes, agreed, rank_paths, reports[0]["kinds"], files, precision)
+        files[TRAINER_STATE] = write_torch(plan.trainer_state, tmp / TRAINER_STATE)
+        meta = _metadata(plan, files)
         record = write_json(meta, tmp / METADATA)
         write_json({"format": FORMAT, "version": VERSION, "metadata": record}, tmp / COMPLETE)
         fsync_dir(tmp)
@@ -268,15 +254,8 @@ def _finish(
         )
 
 
-def _metadata(
-    sharded: ShardedModel,
-    indexes: list[list[tuple[Tensor, FlatParam, int]]],
-    agreed: list[dict[str, Any]],
-    rank_paths: list[KeyPath],
-    kinds: list[dict[str, str]],
-    files: dict[str, Any],
-    precision: str,
-) -> dict[str, Any]:
+def _metadata(plan: SavePlan, files: dict[str, Any]) -> dict[str, Any]:
+    sharded, indexes, agreed, kinds = plan.sharded, plan.indexes, plan.agreed, plan.kinds
     with placeholders_allowed():
         keys = list(sharded.module.state_dict(keep_vars=True))
     module = type(sharded.module)
@@ -287,7 +266,7 @@ def _metadata(
         "world_size": sharded.mesh.shard.world_size,  # the shards' N: the shard group's size (hybrid), else the world
         "replicas": sharded.mesh.replica.world_size,  # shard groups that held the same shards (1: plain sharding)
         "stage": int(sharded.config.stage),
-        "precision": precision,
+        "precision": plan.precision,
         "broadcast_buffers": sharded.config.broadcast_buffers,
         "module": f"{module.__module__}.{module.__qualname__}",
         "state_dict_keys": keys,
@@ -295,13 +274,13 @@ def _metadata(
         "optimizers": [
             {
                 "params": [fp.layout.slots[i].name for _, fp, i in index],
-                "state_keys": [sorted(plan["per_element"].get(j, {})) for j in range(len(index))],
+                "state_keys": [sorted(keys["per_element"].get(j, {})) for j in range(len(index))],
             }
-            for index, plan in zip(indexes, agreed)
+            for index, keys in zip(indexes, agreed)
         ],
         "rank_state": {
-            "paths": [show(p) for p in rank_paths],
-            "files": [rank_state_file(r, world) for r in range(world)] if rank_paths else [],
+            "paths": [show(p) for p in plan.rank_paths],
+            "files": [rank_state_file(r, world) for r in range(world)] if plan.rank_paths else [],
         },
         "files": files,
     }

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torchmetrics.text import Perplexity
 from typing_extensions import override
 
+from lightning_shardlab.checkpoint.export import HF_CONFIG_KEY
 from lightning_shardlab.examples.gpt import GPT
 from lightning_shardlab.examples.hf_local import from_local, require_transformers
 
@@ -100,6 +101,12 @@ class HFGPT2(L.LightningModule):
 
     # The steps and the optimizer are GPT's own: they use only self(x), self.log, self.val_ppl,
     # self.param_groups() and the hyperparameters both classes share (lr, beta1, beta2, warmup_steps, min_lr_ratio).
+    @override
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Keep the model's Hugging Face config beside its weights: ``shardlab export CKPT DIR --prefix model.``
+        then writes ``config.json``, and ``AutoModelForCausalLM.from_pretrained(DIR)`` loads the fine-tune."""
+        checkpoint[HF_CONFIG_KEY] = self.model.config.to_dict()
+
     training_step = GPT.training_step
     validation_step = GPT.validation_step
     configure_optimizers = GPT.configure_optimizers

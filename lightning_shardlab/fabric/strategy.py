@@ -75,6 +75,11 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
     ) -> None:
         check_option_names(options, "lightning_shardlab.fabric.ShardLabStrategy")
         self.config, self.sanity_config = options_to_configs(**options)
+        if self.config.async_save:
+            raise ValueError(
+                "`async_save=True` is for the Trainer, whose end of fit completes the last save; a Fabric loop has"
+                " no such point. HINT: leave async_save off with Fabric (fabric.save writes synchronously)."
+            )
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision)
         self._backward_sync_control = _NoBackwardSync(self)
         self.comm: Comm | None = None

@@ -116,3 +116,13 @@ def _call(fn: ctypes._CFuncPtr, ptr: int, nbytes: int, flag: int) -> None:
     if fn(ptr, nbytes, flag) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"{fn.__name__} on offloaded memory failed: {os.strerror(errno)}")
+
+
+def drop_pages(tensor: Tensor) -> None:
+    """Unmap from this process the whole pages inside ``tensor``'s bytes; touched again, they are read back from
+    their file. Only for a tensor that views a file mapping (``torch.load(mmap=True)``) and was only read:
+    the pages of anonymous memory, or of a mapping written to, would lose their contents."""
+    start = -(-tensor.data_ptr() // PAGE) * PAGE
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // PAGE * PAGE
+    if end > start:
+        _call(_LIBC.madvise, start, end - start, MADV_DONTNEED)

@@ -1,0 +1,102 @@
+"""``torch.save``'s file format, written one tensor at a time: for outputs larger than memory.
+
+A ``torch.save`` file is a zip archive: ``data.pkl`` (the object, in which each tensor's storage is a
+*persistent id* naming a record), ``byteorder``, and one record ``data/<key>`` of raw bytes per storage.
+``torch.save`` needs every tensor in memory when it starts; ``stream_save`` takes an object in which some
+tensors are ``Deferred`` (a shape, a dtype, and a function that makes the values), pickles the object
+with the same persistent ids torch writes, then makes, writes and drops one deferred tensor after the
+other. ``torch.load`` (``mmap=True`` included) reads the result like any checkpoint: deferred tensors
+come back as ordinary tensors, and an object that appears twice (a tied parameter) as one.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class Deferred:
+    """A tensor of ``shape`` and ``dtype`` whose values ``make()`` returns when it is written (on CPU)."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, make: Callable[[], Tensor]) -> None:
+        self.shape, self.dtype, self.make = torch.Size(shape), dtype, make
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        stride = torch.empty(self.shape, device="meta").stride()
+        # what torch pickles for a tensor: its storage (a persistent id, below), offset, size, stride, ...
+        return torch._utils._rebuild_tensor_v2, (
+            _Storage(self),
+            0,
+            self.shape,
+            stride,
+            False,
+            collections.OrderedDict(),
+        )
+
+
+class _Storage:
+    def __init__(self, deferred: Deferred) -> None:
+        self.deferred = deferred
+
+
+def _storage_type(dtype: torch.dtype) -> Any:
+    """The storage class torch pickles for ``dtype`` (``torch.FloatStorage`` for float32), as ``torch.save`` does."""
+    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+
+
+def stream_save(obj: Any, path: str | Path) -> int:
+    """Write ``obj`` to ``path`` as ``torch.save`` would, making each ``Deferred`` only when its record is written.
+    Returns the bytes of tensor data written."""
+    records: dict[int, tuple[str, Any]] = {}  # id(storage or deferred) -> (key, what to write)
+
+    def persistent_id(item: Any) -> tuple | None:
+        if isinstance(item, _Storage):
+            deferred = item.deferred
+            key = records.setdefault(id(deferred), (str(len(records)), deferred))[0]
+            return ("storage", _storage_type(deferred.dtype), key, "cpu", deferred.shape.numel())
+        if isinstance(item, torch.storage.TypedStorage):
+            untyped = item._untyped_storage
+            key = records.setdefault(id(untyped), (str(len(records)), untyped))[0]
+            return ("storage", getattr(torch, item._pickle_storage_type()), key, "cpu", item._size())
+        return None
+
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=2)
+    pickler.persistent_id = persistent_id  # type: ignore[method-assign]
+    pickler.dump(obj)
+    data = buffer.getvalue()
+    writer = torch._C.PyTorchFileWriter(str(path))
+    written = 0
+    try:
+        writer.write_record("data.pkl", data, len(data))
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for key, item in sorted(records.values(), key=lambda r: int(r[0])):
+            storage = _bytes_of(item)
+            writer.write_record(f"data/{key}", storage, storage.nbytes())
+            written += storage.nbytes()
+            del storage
+        writer.write_end_of_file()
+    finally:
+        del writer
+    return written
+
+
+def _bytes_of(item: Any) -> torch.UntypedStorage:
+    if isinstance(item, Deferred):
+        value = item.make().to("cpu", item.dtype).reshape(item.shape).contiguous()
+        if value.shape != item.shape:
+            raise ValueError(f"a deferred tensor of shape {tuple(item.shape)} made {tuple(value.shape)}")
+        return (
+            value.untyped_storage()
+            if value.untyped_storage().nbytes() == value.nbytes
+            else value.clone().untyped_storage()
+        )
+    return item.cpu() if item.device.type != "cpu" else item

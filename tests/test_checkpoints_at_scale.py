@@ -1,0 +1,229 @@
+"""Checkpoints at scale: ``shardlab export`` to safetensors in the Hugging Face layout, and streamed consolidation.
+
+One 2-rank run trains the Hugging Face GPT-2 example (tiny config, stage 3) two steps and saves a sharded
+checkpoint; its ``full_state_dict()`` is the reference. Exported with ``--prefix model.``, the directory loads
+with ``AutoModelForCausalLM.from_pretrained`` and equals the reference bit for bit (fp32, in several files
+with an index), or its cast (``--dtype bf16``, one file); the keys are the ones ``save_pretrained`` writes for
+the same model (the tied head once). A second 2-rank run saves a checkpoint of a 50M-parameter stack (AdamW:
+about 600 MB); it is exported in several files and consolidated by streaming, and the streamed file equals the
+in-memory consolidation tensor for tensor. With
+``async_save=True`` a checkpoint written in the background resumes bit for bit, and a rank killed while
+writing one leaves the previous checkpoint of that name complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_shardlab import ShardLabStrategy
+from lightning_shardlab.checkpoint.consolidate import consolidate, consolidated_checkpoint
+from lightning_shardlab.checkpoint.export import export
+from lightning_shardlab.checkpoint.files import CheckpointError, leftovers
+from lightning_shardlab.checkpoint.format import CheckpointReader
+from tests.helpers.launch import run_ranks
+from tests.models import OrderedData, RegressionNet, WideBlocks, regression_dataset, token_dataset
+from tests.test_checkpoint import QUIET
+from tests.test_example_hf import TINY_GPT2
+
+WORLD = 2
+
+
+def hf_checkpoint(tmp: str) -> dict:
+    from lightning_shardlab.examples.hf_gpt2 import HFGPT2
+
+    torch.manual_seed(0)
+    model = HFGPT2(config=TINY_GPT2, warmup_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=ShardLabStrategy(stage=3), max_steps=2,
+        enable_checkpointing=False, default_root_dir=tmp, **QUIET,
+    )  # fmt: skip
+    trainer.fit(model, OrderedData(token_dataset(8, vocab=256), 2))
+    trainer.save_checkpoint(f"{tmp}/hf.ckpt")
+    return trainer.strategy.full_state_dict()
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for file in sorted(directory.glob("*.safetensors")) for k, v in load_file(file).items()}
+
+
+def _safetensors_keys(directory: Path) -> set[str]:
+    from safetensors import safe_open
+
+    keys = set()
+    for file in directory.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            keys |= set(f.keys())
+    return keys
+
+
+def test_export_of_the_hf_example_loads_with_from_pretrained_bit_for_bit(tmp_path: Path) -> None:
+    import transformers
+
+    full, _ = run_ranks("tests.test_checkpoints_at_scale:hf_checkpoint", WORLD, {"tmp": str(tmp_path)}, timeout=200)
+    reference = {k.removeprefix("model."): v for k, v in full.items()}
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    written = export(tmp_path / "hf.ckpt", fp32, prefix="model.", max_shard_size=60_000)
+    assert len(written["files"]) > 2 and (fp32 / "model.safetensors.index.json").is_file()
+    export(tmp_path / "hf.ckpt", bf16, prefix="model.", dtype="bf16")
+    assert (bf16 / "model.safetensors").is_file() and not (bf16 / "model.safetensors.index.json").exists()
+    index = json.loads((fp32 / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == _safetensors_keys(fp32)
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(fp32, local_files_only=True)
+    state = loaded.state_dict()
+    for key, value in reference.items():
+        assert torch.equal(state[key], value), key
+    again = tmp_path / "again"
+    loaded.save_pretrained(again)  # transformers' own writer: the same keys (the tied head once)
+    assert _safetensors_keys(again) == _safetensors_keys(fp32) == set(index["weight_map"])
+    assert "lm_head.weight" not in index["weight_map"] and "transformer.wte.weight" in index["weight_map"]
+
+    consolidate(tmp_path / "hf.ckpt", tmp_path / "full.ckpt")  # a full checkpoint exports the same tensors
+    export(tmp_path / "full.ckpt", tmp_path / "from_full", prefix="model.")
+    assert _tensors(tmp_path / "from_full").keys() == _tensors(fp32).keys()
+    assert all(torch.equal(v, _tensors(fp32)[k]) for k, v in _tensors(tmp_path / "from_full").items())
+    assert json.loads((tmp_path / "from_full" / "config.json").read_text()) == json.loads(
+        (fp32 / "config.json").read_text()
+    )
+
+    half = transformers.AutoModelForCausalLM.from_pretrained(bf16, local_files_only=True, torch_dtype=torch.bfloat16)
+    for key, value in half.state_dict().items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, reference[key].to(torch.bfloat16)), key
+
+
+# ---- bounded memory: a 50M-parameter checkpoint ----
+
+BIG = {"width": 1024, "depth": 24}  # 24 blocks of 2.1M parameters: 50.4M, built on the meta device
+SHARD_BYTES = 20_000_000  # export's --max-shard-size here
+
+
+def big_checkpoint(tmp: str) -> dict:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=ShardLabStrategy(stage=3), max_steps=1,
+        enable_checkpointing=False, default_root_dir=tmp, **QUIET,
+    )  # fmt: skip
+    trainer.fit(WideBlocks(**BIG), OrderedData(regression_dataset(4), 2))
+    trainer.save_checkpoint(f"{tmp}/big.ckpt")
+    return {}
+
+
+def test_export_and_consolidate_stream_a_large_checkpoint(tmp_path: Path) -> None:
+    run_ranks("tests.test_checkpoints_at_scale:big_checkpoint", WORLD, {"tmp": str(tmp_path)}, timeout=300)
+    src = tmp_path / "big.ckpt"
+    assert sum(f.stat().st_size for f in src.iterdir()) > 550e6  # 50.4M parameters: 4 B masters + 8 B moments
+    written = export(src, tmp_path / "hf", max_shard_size=SHARD_BYTES)
+    assert len(written["files"]) == len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+    consolidate(src, tmp_path / "full.ckpt")
+    # what was streamed is what the in-memory consolidation makes, tensor for tensor
+    streamed = torch.load(tmp_path / "full.ckpt", mmap=True, weights_only=True)
+    whole = consolidated_checkpoint(src)
+    assert list(streamed["state_dict"]) == list(whole["state_dict"])
+    assert all(torch.equal(streamed["state_dict"][k], v) for k, v in whole["state_dict"].items())
+    for mine, theirs in zip(streamed["optimizer_states"], whole["optimizer_states"]):
+        assert mine["param_groups"] == theirs["param_groups"] and mine["state"].keys() == theirs["state"].keys()
+        for j, state in theirs["state"].items():
+            assert all(torch.equal(mine["state"][j][k], v) for k, v in state.items()), j
+
+
+# ---- async_save ----
+
+STEPS_PER_EPOCH, GLOBAL_BATCH = 3, 8
+
+
+class SaveAtEpochEnd(Callback):
+    """``trainer.save_checkpoint`` at the end of every epoch (``path`` may name the epoch: ``{epoch}``);
+    ``fail_on=(rank, save)`` kills that rank while that save's files are written in the background."""
+
+    def __init__(self, path: str, fail_on: tuple[int, int] | None = None) -> None:
+        self.path, self.fail_on, self.saves = path, fail_on, 0
+
+    def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.saves += 1
+        if self.fail_on == (trainer.global_rank, self.saves):
+            from lightning_shardlab.checkpoint import sharded
+
+            def die(obj: Any, path: Path) -> None:  # on the background thread, mid-write: the process ends at once
+                Path(path).write_bytes(b"partial")
+                os._exit(9)
+
+            sharded.write_torch = die
+        trainer.save_checkpoint(self.path.format(epoch=trainer.current_epoch))
+
+
+def _async_fit(tmp: str, callbacks: list, **kwargs: Any) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=ShardLabStrategy(async_save=True), max_epochs=2,
+        enable_checkpointing=False, default_root_dir=tmp, callbacks=callbacks, **QUIET,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    data = OrderedData(regression_dataset(GLOBAL_BATCH * STEPS_PER_EPOCH), GLOBAL_BATCH // WORLD)
+    trainer.fit(RegressionNet(), data, **kwargs)
+    return trainer
+
+
+def async_resume(tmp: str) -> dict:
+    """Two epochs, saving in the background after each; then a fresh run resumes the first epoch's checkpoint."""
+    whole = _async_fit(tmp, [SaveAtEpochEnd(tmp + "/epoch{epoch}")])
+    final = whole.strategy.full_state_dict()
+    resumed = _async_fit(tmp, [], ckpt_path=f"{tmp}/epoch0")
+    return {
+        "final": final,
+        "resumed": resumed.strategy.full_state_dict(),
+        "step": resumed.global_step,
+        "failure": _failed_background_write(tmp),
+    }
+
+
+def _failed_background_write(tmp: str) -> str:
+    """Rank 1's background write raises (its disk is full): the save's completion raises on every rank."""
+    from lightning_shardlab.checkpoint import sharded
+
+    if int(os.environ["RANK"]) == 1:
+
+        def full_disk(obj: Any, path: Path) -> None:
+            raise OSError(28, "No space left on device")
+
+        sharded.write_torch = full_disk
+    try:
+        _async_fit(tmp, [SaveAtEpochEnd(tmp + "/failing")])
+    except CheckpointError as err:
+        return str(err)
+    return "no error"
+
+
+def test_an_async_checkpoint_resumes_bit_for_bit(tmp_path: Path) -> None:
+    out, other = run_ranks("tests.test_checkpoints_at_scale:async_resume", WORLD, {"tmp": str(tmp_path)}, timeout=200)
+    assert out["step"] == 2 * STEPS_PER_EPOCH and out["final"].keys() == out["resumed"].keys()
+    assert all(torch.equal(out["final"][k], out["resumed"][k]) for k in out["final"])
+    for epoch in (0, 1):  # both complete: the end of fit concluded the last one
+        assert CheckpointReader.open(tmp_path / f"epoch{epoch}").meta["world_size"] == WORLD
+    for failure in (out["failure"], other["failure"]):  # every rank raised the same error, naming rank 1
+        assert "rank 1 could not write its part" in failure and "No space left on device" in failure, failure
+    assert not (tmp_path / "failing").exists()
+
+
+def killed_during_background_write(tmp: str) -> dict:
+    _async_fit(tmp, [SaveAtEpochEnd(f"{tmp}/ckpt", fail_on=(1, 2))])
+    return {}
+
+
+def test_a_rank_killed_during_a_background_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    """Epoch 0's save completes (concluded when epoch 1's begins); rank 1 dies writing epoch 1's, in the
+    background: every rank ends, and ``ckpt`` is still epoch 0's checkpoint, complete and verified."""
+    kwargs = {"tmp": str(tmp_path)}
+    target = "tests.test_checkpoints_at_scale:killed_during_background_write"
+    results = run_ranks(target, WORLD, kwargs, timeout=200, expect_failure=True)
+    assert all(code != 0 for code, _ in results), [code for code, _ in results]
+    reader = CheckpointReader.open(tmp_path / "ckpt")
+    reader.verify(reader.meta["files"])
+    assert reader.load_trainer_state(None)["global_step"] == STEPS_PER_EPOCH
+    assert leftovers(tmp_path / "ckpt"), "the interrupted save's temporary directory"
