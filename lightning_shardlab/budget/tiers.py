@@ -144,7 +144,10 @@ def measure_locations(sharded: ShardedModel, optimizers: list[Any]) -> dict[str,
 
 
 def tier_counters(sharded: ShardedModel) -> tuple[float, float, float] | None:
-    """(bytes read from storage, bytes written to it, seconds inside offloaded optimizer steps) so far."""
+    """(bytes read from storage, bytes written to it, seconds inside offloaded optimizer steps) so far; None
+    without offload (nothing to read each step)."""
+    if sharded.offload is None:
+        return None
     io = io_counters()
     seconds = getattr(sharded.offload, "step_seconds", 0.0)
     return None if io is None else (float(io[0]), float(io[1]), seconds)

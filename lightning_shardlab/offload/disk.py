@@ -39,7 +39,7 @@ class DiskOffload:
         self.sharded = sharded
         self.files = FileTier(directory)
         self._chunks: dict[int, Chunks] = {}  # id(optimizer) -> its flat parameters
-        self._state: dict[tuple[int, int, str], Tensor] = {}  # (id(optimizer), id(flat param), key) -> 1-D, S
+        self._state: dict[tuple[int, int], dict[str, Tensor]] = {}  # (id(optimizer), id(flat param)) -> key -> 1-D, S
         self.step_seconds = 0.0  # measured: wall time inside offloaded optimizer steps (update and disk I/O)
         self._started = 0.0
 
@@ -63,10 +63,10 @@ class DiskOffload:
 
     def state_file(self, optimizer: Optimizer, fp: FlatParam, key: str) -> Tensor | None:
         """The file holding ``optimizer``'s state ``key`` for ``fp`` (1-D, S), if it made one."""
-        return self._state.get((id(optimizer), id(fp), key))
+        return self._state.get((id(optimizer), id(fp)), {}).get(key)
 
     def tensors_of(self, optimizer: Optimizer, fp: FlatParam) -> list[Tensor]:
-        own = [t for (o, f, _), t in self._state.items() if o == id(optimizer) and f == id(fp)]
+        own = list(self._state.get((id(optimizer), id(fp)), {}).values())
         return [fp.master, *own] if self.files.owns(fp.master) else own
 
     # ---- stepping ----
@@ -119,10 +119,11 @@ class DiskOffload:
     def _forget(self, key: int) -> None:
         self._chunks.pop(key, None)
         for name in [n for n in self._state if n[0] == key]:
-            self.files.forget(self._state.pop(name))
+            for tensor in self._state.pop(name).values():
+                self.files.forget(tensor)
 
     def _file(self, optimizer: Optimizer, fp: FlatParam, key: str, dtype: torch.dtype) -> Tensor:
-        name = (id(optimizer), id(fp), key)
-        if name not in self._state:
-            self._state[name] = self.files.tensor(f"{fp.layout.name}.{key}", fp.layout.shard_numel, dtype)
-        return self._state[name]
+        files = self._state.setdefault((id(optimizer), id(fp)), {})
+        if key not in files:
+            files[key] = self.files.tensor(f"{fp.layout.name}.{key}", fp.layout.shard_numel, dtype)
+        return files[key]
