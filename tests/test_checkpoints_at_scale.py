@@ -5,8 +5,9 @@ checkpoint; its ``full_state_dict()`` is the reference. Exported with ``--prefix
 with ``AutoModelForCausalLM.from_pretrained`` and equals the reference bit for bit (fp32, in several files
 with an index), or its cast (``--dtype bf16``, one file); the keys are the ones ``save_pretrained`` writes for
 the same model (the tied head once). A second 2-rank run saves a checkpoint of a 50M-parameter stack (AdamW:
-about 600 MB); it is exported in several files and consolidated by streaming, and the streamed file equals the
-in-memory consolidation tensor for tensor. With
+about 600 MB); it is exported in several files and consolidated by streaming, each in a fresh process whose
+peak memory (``ru_maxrss``) rises less than ``MEMORY_BOUND`` above its imports, against more than the
+checkpoint's size for the in-memory consolidation, and what they wrote equals that consolidation's tensors. With
 ``async_save=True`` a checkpoint written in the background resumes bit for bit, and a rank killed while
 writing one leaves the previous checkpoint of that name complete.
 """
@@ -23,11 +24,12 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_shardlab import ShardLabStrategy
-from lightning_shardlab.checkpoint.consolidate import consolidate, consolidated_checkpoint
+from lightning_shardlab.checkpoint.consolidate import consolidate
 from lightning_shardlab.checkpoint.export import export
 from lightning_shardlab.checkpoint.files import CheckpointError, leftovers
 from lightning_shardlab.checkpoint.format import CheckpointReader
 from tests.helpers.launch import run_ranks
+from tests.helpers.peak_rss import peak_rss_growth
 from tests.models import OrderedData, RegressionNet, WideBlocks, regression_dataset, token_dataset
 from tests.test_checkpoint import QUIET
 from tests.test_example_hf import TINY_GPT2
@@ -104,6 +106,13 @@ def test_export_of_the_hf_example_loads_with_from_pretrained_bit_for_bit(tmp_pat
 
 BIG = {"width": 1024, "depth": 24}  # 24 blocks of 2.1M parameters: 50.4M, built on the meta device
 SHARD_BYTES = 20_000_000  # export's --max-shard-size here
+# Peak memory that export and consolidate may add, far below the 605 MB checkpoint: consolidate holds one
+# tensor (its largest, 4 MB, in a staging buffer), export one 20 MB output shard twice (safetensors copies it
+# to serialise) and the parameter being read; the rest is the pages of torch's code that the work first runs.
+MEMORY_BOUND = 100_000_000
+STREAMING = """import torch
+from lightning_shardlab.checkpoint.consolidate import consolidate, consolidated_checkpoint
+from lightning_shardlab.checkpoint.export import export"""
 
 
 def big_checkpoint(tmp: str) -> dict:
@@ -118,20 +127,30 @@ def big_checkpoint(tmp: str) -> dict:
 
 def test_export_and_consolidate_stream_a_large_checkpoint(tmp_path: Path) -> None:
     run_ranks("tests.test_checkpoints_at_scale:big_checkpoint", WORLD, {"tmp": str(tmp_path)}, timeout=300)
-    src = tmp_path / "big.ckpt"
-    assert sum(f.stat().st_size for f in src.iterdir()) > 550e6  # 50.4M parameters: 4 B masters + 8 B moments
-    written = export(src, tmp_path / "hf", max_shard_size=SHARD_BYTES)
-    assert len(written["files"]) == len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
-    consolidate(src, tmp_path / "full.ckpt")
+    src, hf, full, whole = tmp_path / "big.ckpt", tmp_path / "hf", tmp_path / "full.ckpt", tmp_path / "whole.ckpt"
+    size = sum(f.stat().st_size for f in src.iterdir())
+    assert size > 550e6  # 50.4M parameters: 4 B masters + 8 B moments
+    # each in a fresh process: how far it raises that process's peak memory (ru_maxrss) beyond its imports
+    growth = {
+        "export": peak_rss_growth(STREAMING, f"export({str(src)!r}, {str(hf)!r}, max_shard_size={SHARD_BYTES})"),
+        "consolidate": peak_rss_growth(STREAMING, f"consolidate({str(src)!r}, {str(full)!r})"),
+        "in memory": peak_rss_growth(STREAMING, f"torch.save(consolidated_checkpoint({str(src)!r}), {str(whole)!r})"),
+    }
+    assert growth["export"] < MEMORY_BOUND and growth["consolidate"] < MEMORY_BOUND, (growth, size)
+    assert growth["in memory"] > 0.9 * size, (growth, size)  # the measure sees a whole checkpoint held at once
+    assert len(list(hf.glob("*.safetensors"))) > 1 and (hf / "model.safetensors.index.json").is_file()
     # what was streamed is what the in-memory consolidation makes, tensor for tensor
-    streamed = torch.load(tmp_path / "full.ckpt", mmap=True, weights_only=True)
-    whole = consolidated_checkpoint(src)
-    assert list(streamed["state_dict"]) == list(whole["state_dict"])
-    assert all(torch.equal(streamed["state_dict"][k], v) for k, v in whole["state_dict"].items())
-    for mine, theirs in zip(streamed["optimizer_states"], whole["optimizer_states"]):
+    streamed = torch.load(full, mmap=True, weights_only=True)
+    reference = torch.load(whole, mmap=True, weights_only=True)
+    assert list(streamed["state_dict"]) == list(reference["state_dict"])
+    assert all(torch.equal(streamed["state_dict"][k], v) for k, v in reference["state_dict"].items())
+    for mine, theirs in zip(streamed["optimizer_states"], reference["optimizer_states"], strict=True):
         assert mine["param_groups"] == theirs["param_groups"] and mine["state"].keys() == theirs["state"].keys()
         for j, state in theirs["state"].items():
             assert all(torch.equal(mine["state"][j][k], v) for k, v in state.items()), j
+    exported = _tensors(hf)
+    assert exported.keys() == reference["state_dict"].keys()
+    assert all(torch.equal(v, reference["state_dict"][k]) for k, v in exported.items())
 
 
 # ---- async_save ----

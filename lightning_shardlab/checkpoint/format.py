@@ -288,8 +288,9 @@ class CheckpointReader:
 
     # ---- reading ----
 
-    def read(self, kind: str, index: int, lo: int, hi: int) -> Tensor:
-        """Elements ``[lo, hi)`` (flat coordinates) of tensor ``kind`` of saved flat parameter ``index``. 1-D."""
+    def read(self, kind: str, index: int, lo: int, hi: int, out: Tensor | None = None) -> Tensor:
+        """Elements ``[lo, hi)`` (flat coordinates) of tensor ``kind`` of saved flat parameter ``index``. 1-D;
+        written into ``out`` (1-D, ``hi - lo`` elements) when given."""
         layout = self.layouts[index]
         name = master_key(layout.name) if kind == "master" else f"{kind}/{layout.name}"
         parts = []
@@ -299,15 +300,18 @@ class CheckpointReader:
             if b > a:
                 parts.append(self._shard(rank)[name][a - start : b - start])
         dtype = parse_dtype(self.tensors[index][kind])
-        out = torch.cat(parts) if parts else torch.empty(0, dtype=dtype)  # a copy: the mapped pages can go
+        if out is None:
+            out = torch.empty(max(hi - lo, 0), dtype=dtype)
+        if parts:
+            torch.cat(parts, out=out)  # a copy: the mapped pages can go
         for part in parts:
             drop_pages(part)  # so reading a whole checkpoint never holds it in memory
         return out
 
-    def read_param(self, kind: str, fqn: str, a: int, b: int) -> Tensor:
+    def read_param(self, kind: str, fqn: str, a: int, b: int, out: Tensor | None = None) -> Tensor:
         """Elements ``[a, b)`` of parameter ``fqn`` (in its own flattened order) of tensor ``kind``. 1-D."""
         index, slot = self.where[fqn]
-        return self.read(kind, index, slot.offset + a, slot.offset + b)
+        return self.read(kind, index, slot.offset + a, slot.offset + b, out)
 
     def load_trainer_state(self, weights_only: bool | None) -> dict[str, Any]:
         return self._load_pickle(TRAINER_STATE, weights_only)

@@ -3,10 +3,16 @@
 A ``torch.save`` file is a zip archive: ``data.pkl`` (the object, in which each tensor's storage is a
 *persistent id* naming a record), ``byteorder``, and one record ``data/<key>`` of raw bytes per storage.
 ``torch.save`` needs every tensor in memory when it starts; ``stream_save`` takes an object in which some
-tensors are ``Deferred`` (a shape, a dtype, and a function that makes the values), pickles the object
-with the same persistent ids torch writes, then makes, writes and drops one deferred tensor after the
-other. ``torch.load`` (``mmap=True`` included) reads the result like any checkpoint: deferred tensors
+tensors are ``Deferred`` (a shape, a dtype, and a function that fills a tensor with the values), pickles
+the object with the same persistent ids torch writes, then fills and writes one deferred tensor after
+the other. ``torch.load`` (``mmap=True`` included) reads the result like any checkpoint: deferred tensors
 come back as ordinary tensors, and an object that appears twice (a tied parameter) as one.
+
+Every deferred tensor is filled into one staging buffer, allocated once at the size of the largest, so
+the memory is that buffer whatever the number of tensors. A fresh tensor per record is not bounded the
+same way: after a large block is freed, glibc's malloc raises its mmap threshold and serves blocks of that
+size from the heap, where a small allocation left above freed blocks keeps them resident; consolidating a
+605 MB checkpoint with a tensor per record peaked 540 MB higher in 6 runs of 10.
 """
 
 from __future__ import annotations
@@ -24,10 +30,15 @@ from torch import Tensor
 
 
 class Deferred:
-    """A tensor of ``shape`` and ``dtype`` whose values ``make()`` returns when it is written (on CPU)."""
+    """A tensor of ``shape`` and ``dtype`` whose values ``fill(out=...)`` writes into ``out`` (1-D, on CPU, of
+    ``shape.numel()`` elements in ``dtype``) when it is written."""
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, make: Callable[[], Tensor]) -> None:
-        self.shape, self.dtype, self.make = torch.Size(shape), dtype, make
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, fill: Callable[..., Any]) -> None:
+        self.shape, self.dtype, self.fill = torch.Size(shape), dtype, fill
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         stride = torch.empty(self.shape, device="meta").stride()
@@ -73,30 +84,28 @@ def stream_save(obj: Any, path: str | Path) -> int:
     pickler.persistent_id = persistent_id  # type: ignore[method-assign]
     pickler.dump(obj)
     data = buffer.getvalue()
+    deferred = [item.nbytes for _, item in records.values() if isinstance(item, Deferred)]
+    staging = torch.empty(max(deferred, default=0), dtype=torch.uint8)  # every deferred tensor, in turn
     writer = torch._C.PyTorchFileWriter(str(path))
     written = 0
     try:
         writer.write_record("data.pkl", data, len(data))
         writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
         for key, item in sorted(records.values(), key=lambda r: int(r[0])):
-            storage = _bytes_of(item)
-            writer.write_record(f"data/{key}", storage, storage.nbytes())
-            written += storage.nbytes()
-            del storage
+            storage, nbytes = _bytes_of(item, staging)
+            writer.write_record(f"data/{key}", storage, nbytes)
+            written += nbytes
         writer.write_end_of_file()
     finally:
         del writer
     return written
 
 
-def _bytes_of(item: Any) -> torch.UntypedStorage:
+def _bytes_of(item: Any, staging: Tensor) -> tuple[torch.UntypedStorage, int]:
+    """The storage holding ``item``'s bytes at its start, and how many: a deferred tensor is filled into
+    ``staging``."""
     if isinstance(item, Deferred):
-        value = item.make().to("cpu", item.dtype).reshape(item.shape).contiguous()
-        if value.shape != item.shape:
-            raise ValueError(f"a deferred tensor of shape {tuple(item.shape)} made {tuple(value.shape)}")
-        return (
-            value.untyped_storage()
-            if value.untyped_storage().nbytes() == value.nbytes
-            else value.clone().untyped_storage()
-        )
-    return item.cpu() if item.device.type != "cpu" else item
+        item.fill(out=staging[: item.nbytes].view(item.dtype))
+        return staging.untyped_storage(), item.nbytes
+    storage = item.cpu() if item.device.type != "cpu" else item
+    return storage, storage.nbytes()
