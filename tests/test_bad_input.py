@@ -206,3 +206,27 @@ def test_async_save_is_refused_where_no_point_completes_it() -> None:
     strategy = ShardLabStrategy()
     strategy.checkpoint_io = AsyncCheckpointIO()
     assert strategy.saver is not None  # Lightning's plugin: sharded saves go to the background
+
+
+def test_export_refuses_bad_input_naming_the_option_or_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``shardlab export``: each mistake is an error naming what is wrong, and nothing is written."""
+    from lightning_shardlab.checkpoint.export import export, main
+    from lightning_shardlab.checkpoint.files import CheckpointError
+
+    full = tmp_path / "full.ckpt"
+    torch.save({"state_dict": {"model.w": torch.ones(2)}}, full)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "garbage.ckpt").write_bytes(b"not a checkpoint")
+    cases = [
+        ({"src": full, "dst": tmp_path / "a", "dtype": "int8"}, "--dtype 'int8' is not one of fp32, bf16, fp16"),
+        ({"src": full, "dst": tmp_path / "taken"}, "exists. HINT: export into a new directory"),
+        ({"src": full, "dst": tmp_path / "b", "prefix": "lm."}, "no tensors under --prefix 'lm.'"),
+        ({"src": tmp_path / "garbage.ckpt", "dst": tmp_path / "c"}, "garbage.ckpt is not a readable checkpoint"),
+        ({"src": tmp_path / "nowhere", "dst": tmp_path / "d"}, "nowhere is not a readable checkpoint"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises((ValueError, CheckpointError), match=message.replace("(", r"\(").replace(".", r"\.")):
+            export(**kwargs)
+    with pytest.raises(SystemExit, match="shardlab export: error: .*no tensors under --prefix"):
+        main([str(full), str(tmp_path / "e"), "--prefix", "lm."])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.ckpt", "garbage.ckpt", "taken"]

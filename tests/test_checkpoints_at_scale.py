@@ -107,8 +107,8 @@ def test_export_of_the_hf_example_loads_with_from_pretrained_bit_for_bit(tmp_pat
 BIG = {"width": 1024, "depth": 24}  # 24 blocks of 2.1M parameters: 50.4M, built on the meta device
 SHARD_BYTES = 20_000_000  # export's --max-shard-size here
 # Peak memory that export and consolidate may add, far below the 605 MB checkpoint: consolidate holds one
-# tensor (its largest, 4 MB, in a staging buffer), export one 20 MB output shard twice (safetensors copies it
-# to serialise) and the parameter being read; the rest is the pages of torch's code that the work first runs.
+# tensor (its largest, 4 MB, in a staging buffer), export one 20 MB output file (its staging buffer); the rest
+# is the pages of torch's and numpy's code that the work first runs.
 MEMORY_BOUND = 100_000_000
 STREAMING = """import torch
 from lightning_shardlab.checkpoint.consolidate import consolidate, consolidated_checkpoint

@@ -10,10 +10,10 @@ loads it without importing this package, and shardlab loads it back at any world
 No process group and no original world size: this one process verifies every file (sizes, sha256),
 then streams: each parameter and each optimizer state tensor is read from the memory-mapped shard files
 (the pages handed back once read) into one staging buffer and written into DST on its own
-(checkpoint/stream_save.py), so memory holds one tensor at a time, whatever the model's size. Non-model state that differed between ranks is
-kept, every rank's value, under ``checkpoint["shardlab_rank_states"]`` (plain types; Lightning ignores the
-key). DST is written under a temporary name and renamed into place. ``consolidated_checkpoint`` builds
-the same dict in memory (tests, small models).
+(checkpoint/stream_save.py), so memory holds one tensor at a time, whatever the model's size. Non-model
+state that differed between ranks is kept, every rank's value, under ``checkpoint["shardlab_rank_states"]``
+(plain types; Lightning ignores the key). DST is written under a temporary name and renamed into place.
+``consolidated_checkpoint`` builds the same dict in memory (tests, small models).
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ checkpoint carries a Hugging Face config (``checkpoint["hf_config"]``: examples/
 
 Memory stays bounded whatever the model's size: the output shards are planned from the shapes alone, then
 each parameter is read from the memory-mapped shard files (its slices, from every rank that holds one;
-their pages handed back once read), cast, and kept until its output shard is full and written. Peak:
-about one output shard (twice: safetensors serialises it) plus the largest parameter.
+their pages handed back once read) and cast straight into its place in one staging buffer the size of the
+largest output shard, which safetensors writes from; the buffer is reused for the next shard. Peak: one
+output shard (or the largest parameter, when it is larger).
 
 Keys: the module's own state-dict names in its order; ``--prefix lm.`` keeps only the keys under ``lm.``
 (a LightningModule holding an HF model as ``self.lm``) and strips it. A tied parameter is written once,
@@ -20,6 +21,7 @@ GPT-2, ``transformer.wte.weight`` and not ``lm_head.weight``). Floating tensors 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -36,17 +38,19 @@ from lightning_shardlab.checkpoint.format import CheckpointReader
 from lightning_shardlab.display import parse_size
 
 HF_CONFIG_KEY = "hf_config"  # a LightningModule's on_save_checkpoint may store its HF config.to_dict() here
+_ALIGN = 8  # bytes: each tensor's stretch of the staging buffer starts at a multiple of any element size
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One tensor to write: its output key, shape, dtype as saved, and how to read it (1-D, as saved)."""
+    """One tensor to write: its output key, shape, dtype as saved, and ``fill(out=...)``, which writes its values
+    into ``out`` (1-D, in the output dtype)."""
 
     key: str
     shape: torch.Size
     dtype: torch.dtype
-    read: Callable[[], Tensor]
+    fill: Callable[..., Any]
 
     def out_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
         return dtype if dtype is not None and self.dtype.is_floating_point else self.dtype
@@ -68,14 +72,16 @@ def sharded_entries(reader: CheckpointReader, replicated: dict[str, Any], prefix
             if slot.fqns[0] != name or slot.fqns[0] in seen:
                 continue  # a tied parameter's second name
             seen.add(name)
-            dtype = reader.layouts[index].dtype
-            out.append(
-                Entry(key, slot.shape, dtype, lambda name=name, n=slot.numel: reader.read_param("master", name, 0, n))
-            )
+            read = functools.partial(reader.read_param, "master", name, 0, slot.numel)
+            out.append(Entry(key, slot.shape, reader.layouts[index].dtype, read))
         elif isinstance(replicated.get(name), Tensor):
-            value = replicated[name]
-            out.append(Entry(key, value.shape, value.dtype, lambda value=value: value.reshape(-1)))
+            out.append(_held(key, replicated[name]))
     return out
+
+
+def _held(key: str, value: Tensor) -> Entry:
+    """An entry for a tensor already at hand (a buffer, or a full checkpoint's memory-mapped tensor)."""
+    return Entry(key, value.shape, value.dtype, lambda out, value=value: out.copy_(value.reshape(-1)))
 
 
 def full_entries(state_dict: dict[str, Any], prefix: str) -> list[Entry]:
@@ -88,7 +94,7 @@ def full_entries(state_dict: dict[str, Any], prefix: str) -> list[Entry]:
         if ptr in seen:
             continue  # tied: the same storage under a second name
         seen.add(ptr)
-        out.append(Entry(name[len(prefix) :], value.shape, value.dtype, lambda value=value: value.reshape(-1)))
+        out.append(_held(name[len(prefix) :], value))
     return out
 
 
@@ -107,9 +113,19 @@ def plan_shards(entries: list[Entry], dtype: torch.dtype | None, max_bytes: floa
     return [s for s in shards if s]
 
 
-def _tensors(shard: list[Entry], dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _tensors(shard: list[Entry], dtype: torch.dtype | None, staging: Tensor) -> Iterator[tuple[str, Tensor]]:
+    """Each entry of ``shard`` filled into its own stretch of ``staging``, in the output dtype and its shape."""
+    offset = 0
     for entry in shard:
-        yield entry.key, entry.read().to(entry.out_dtype(dtype)).reshape(entry.shape).contiguous()
+        n = entry.nbytes(dtype)
+        out = staging[offset : offset + n].view(entry.out_dtype(dtype))
+        entry.fill(out=out)
+        yield entry.key, out.view(entry.shape)
+        offset += _aligned(n)
 
 
 def write(entries: list[Entry], out: Path, dtype: torch.dtype | None, max_bytes: float) -> dict[str, Any]:
@@ -118,8 +134,9 @@ def write(entries: list[Entry], out: Path, dtype: torch.dtype | None, max_bytes:
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
     weight_map = {}
+    staging = torch.empty(max(sum(_aligned(e.nbytes(dtype)) for e in shard) for shard in shards), dtype=torch.uint8)
     for shard, name in zip(shards, names):
-        save_file(dict(_tensors(shard, dtype)), str(out / name), metadata={"format": "pt"})
+        save_file(dict(_tensors(shard, dtype, staging)), str(out / name), metadata={"format": "pt"})
         weight_map.update({entry.key: name for entry in shard})
     total = sum(entry.nbytes(dtype) for entry in entries)
     if n > 1:
