@@ -84,8 +84,8 @@ def stream_save(obj: Any, path: str | Path) -> int:
     pickler.persistent_id = persistent_id  # type: ignore[method-assign]
     pickler.dump(obj)
     data = buffer.getvalue()
-    deferred = [item.nbytes for _, item in records.values() if isinstance(item, Deferred)]
-    staging = torch.empty(max(deferred, default=0), dtype=torch.uint8)  # every deferred tensor, in turn
+    largest = max((item.nbytes for _, item in records.values() if isinstance(item, Deferred)), default=0)
+    staging = torch.empty(largest, dtype=torch.uint8)  # every deferred tensor, in turn
     writer = torch._C.PyTorchFileWriter(str(path))
     written = 0
     try:
