@@ -46,6 +46,7 @@ from tests.test_fabric import _objects as fabric_objects
 from tests.test_fabric import _train as fabric_train
 
 STEPS, GLOBAL_BATCH, WORLD = 5, 8, 2  # per epoch; two epochs: 10 steps
+SLACK = 1.25  # storage I/O per step, measured, over the files' pages: writing them twice would be 2
 RECIPES = {
     "adamw": (lambda: RegressionNet("adamw"), "32-true"),
     "sgd momentum": (lambda: RegressionNet("sgd"), "32-true"),
@@ -169,9 +170,13 @@ def test_disk_offload_equals_no_offload_bit_for_bit_and_keeps_the_state_in_files
             assert disk["listed_after"] == [], label
             budget = disk["budget"]
             assert budget["locations_measured"] == budget["locations_predicted"], (rank, label, budget)
-            # every page of every file is written back once a step (read back: at most as many)
-            assert budget["storage_io_per_step"]["written"] == disk["tiers"][-1]["page_bytes"], (rank, label)
-            assert budget["storage_io_per_step"]["read"] <= budget["storage_io_per_step"]["written"], (rank, label)
+            # every page of every file is written back once a step, and read back at most once. The count is the
+            # kernel's (/proc/self/io, charged when a clean page is dirtied), so a page its flusher writes back
+            # between two of the optimizer's passes over it is charged twice: a few pages above, never a second
+            # write-back of the files (CI once measured one page more in 9 steps).
+            io, pages = budget["storage_io_per_step"], disk["tiers"][-1]["page_bytes"]
+            assert pages <= io["written"] <= SLACK * pages, (rank, label, io, pages)
+            assert io["read"] <= SLACK * pages, (rank, label, io, pages)
             assert budget["tier_moves_predicted_per_step"]["down"] == disk["tiers"][-1]["file_bytes"], (rank, label)
         fabric = out["fabric"]
         assert (
