@@ -302,6 +302,9 @@ class CheckpointReader:
         dtype = parse_dtype(self.tensors[index][kind])
         if out is None:
             out = torch.empty(max(hi - lo, 0), dtype=dtype)
+        if sum(p.numel() for p in parts) != max(hi - lo, 0) or out.numel() != max(hi - lo, 0):
+            raise ValueError(f"{name}: [{lo}, {hi}) is not inside its {layout.numel} saved elements (or out has"
+                             f" {out.numel()} elements): a reader's caller asked for what no shard holds")  # fmt: skip
         if parts:
             torch.cat(parts, out=out)  # a copy: the mapped pages can go
         for part in parts:
