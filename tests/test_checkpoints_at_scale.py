@@ -248,7 +248,7 @@ def test_a_rank_killed_during_a_background_write_leaves_the_previous_checkpoint(
     assert reader.load_trainer_state(None)["global_step"] == STEPS_PER_EPOCH
     assert leftovers(tmp_path / "ckpt"), "the interrupted save's temporary directory"
     numel = reader.layouts[0].numel  # the reader fills a caller's buffer, and refuses a range no shard holds
-    into = torch.full((numel,), float("nan"), dtype=reader.read("master", 0, 0, numel).dtype)
-    assert torch.equal(reader.read("master", 0, 0, numel, out=into), reader.read("master", 0, 0, numel))
+    fresh = reader.read("master", 0, 0, numel)
+    assert torch.equal(reader.read("master", 0, 0, numel, out=torch.full_like(fresh, float("nan"))), fresh)
     with pytest.raises(ValueError, match=f"is not inside its {numel} saved elements"):
         reader.read("master", 0, 0, numel + 1)

@@ -299,10 +299,9 @@ class CheckpointReader:
             a, b = max(lo, start), min(hi, end)
             if b > a:
                 parts.append(self._shard(rank)[name][a - start : b - start])
-        dtype = parse_dtype(self.tensors[index][kind])
-        if out is None:
-            out = torch.empty(max(hi - lo, 0), dtype=dtype)
-        if sum(p.numel() for p in parts) != max(hi - lo, 0) or out.numel() != max(hi - lo, 0):
+        n = max(hi - lo, 0)
+        out = torch.empty(n, dtype=parse_dtype(self.tensors[index][kind])) if out is None else out
+        if sum(p.numel() for p in parts) != n or out.numel() != n:
             raise ValueError(f"{name}: [{lo}, {hi}) is not inside its {layout.numel} saved elements (or out has"
                              f" {out.numel()} elements): a reader's caller asked for what no shard holds")  # fmt: skip
         if parts:
