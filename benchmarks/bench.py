@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.ranks import run_ranks, timing_trainer
+from benchmarks.sections import kept_sections
 
 HERE = Path(__file__).resolve().parent
 SETTINGS = {
@@ -190,14 +191,6 @@ def theory_bytes(variant: str, params: int) -> float | None:
     return None
 
 
-def _kept_section(path: Path) -> str:
-    """The section benchmarks/defaults_cost.py writes into RESULTS.md, kept when this rewrites the rest."""
-    from benchmarks.defaults_cost import BEGIN, END
-
-    text = path.read_text() if path.exists() else ""
-    return "\n" + text[text.index(BEGIN) : text.index(END) + len(END)] + "\n" if BEGIN in text and END in text else ""
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--setting", choices=("default", "tiny", "both"), default="both")
@@ -291,7 +284,7 @@ def write_report(samples: dict, args: argparse.Namespace, out: Path) -> None:
         "writes `benchmarks/GPU.md`; it has not been run yet: no GPU was available.",
         "",
     ]
-    (out / "RESULTS.md").write_text("\n".join(lines) + "\n" + _kept_section(out / "RESULTS.md"))
+    (out / "RESULTS.md").write_text("\n".join(lines) + "\n" + kept_sections(out / "RESULTS.md"))
     plot(samples, out / "results.png")
     print("\n".join(lines))
 

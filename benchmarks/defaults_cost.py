@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from benchmarks.ranks import free_port
 from benchmarks.sanity_overhead import join, spread
+from benchmarks.sections import MARKERS, replace_section
 from lightning_shardlab import Comm, ShardLabConfig, shard_model, shard_optimizer
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.examples.gpt import GPT
@@ -50,7 +51,7 @@ COSTS = {
     "exact unused": "without exact unused",
     "verified": "without verified",
 }
-BEGIN, END = "<!-- defaults_cost: begin -->", "<!-- defaults_cost: end -->"
+BEGIN, END = MARKERS["defaults_cost"]
 
 
 def block(model: GPT, sharded, optimizer, batches: list) -> list[float]:  # noqa: ANN001
@@ -176,14 +177,6 @@ def section(results: dict, args: argparse.Namespace, seconds: float) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path) -> None:
-    """Replace this benchmark's section of RESULTS.md (or append it); the rest of the file is bench.py's."""
-    old = path.read_text() if path.exists() else ""
-    if BEGIN in old and END in old:
-        old = old[: old.index(BEGIN)].rstrip() + old[old.index(END) + len(END) :]
-    path.write_text(old.rstrip() + "\n\n" + text + "\n")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -201,7 +194,7 @@ def main() -> None:
     text = section(results, args, time.monotonic() - start)
     print(text)
     if not args.quick:
-        write_section(text, Path(args.out))
+        replace_section(Path(args.out), "defaults_cost", text)
 
 
 if __name__ == "__main__":

@@ -113,10 +113,16 @@ class PrecisionRecipe(FabricPrecision):
 
     # ---- gradients: global clipping, fp16 loss scaling ----
 
+    @override
+    def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]
+        """What the gradients are read from: the master views of the optimizer's parameters (clip by value)."""
+        assert self.sharded is not None
+        return self.sharded.masters(super().main_params(optimizer))
+
     def clip_by_global_norm(self, optimizer: Optimizer, max_norm: float, norm_type: float | None = None) -> Tensor:
         """Collective: clip ``optimizer``'s gradients by their global norm; returns the norm before clipping."""
         assert self.sharded is not None, "the strategy connects the precision plugin before training"
-        params = list(self.main_params(optimizer))
+        params = self.main_params(optimizer)
         norm = self.norm_type if norm_type is None else norm_type
         self.last_grad_norm = clip_grad_norm_(params, max_norm, norm, self.sharded.mesh.shard)
         return self.last_grad_norm

@@ -28,9 +28,10 @@ from lightning_shardlab.checkpoint import io as ckpt
 from lightning_shardlab.checkpoint.async_save import AsyncSaver
 from lightning_shardlab.checkpoint.rank_state import Owners
 from lightning_shardlab.comm.collectives import Comm
-from lightning_shardlab.config import Accumulation
+from lightning_shardlab.config import Accumulation, Stage
 from lightning_shardlab.distributed import OPTIONS_DOC, ShardLabDistributed, check_option_names, options_to_configs
 from lightning_shardlab.guard.callback import ShardLabSanity
+from lightning_shardlab.lightning_callbacks import gather_for_weight_readers, restore_param_groups
 from lightning_shardlab.precision import ShardLabPrecision, shardlab_precision
 from lightning_shardlab.sharding.gathered import Modules, gathered_params
 from lightning_shardlab.sharding.materialize import has_meta
@@ -40,12 +41,12 @@ from lightning_shardlab.sharding.sharded_model import ShardedModel, shard_model
 
 def refuse_unsharded_callbacks(callbacks: list[Any]) -> None:
     """Lightning's weight averaging deep-copies the whole module on every rank and reads its weights, which
-    at stage 3 are placeholders: refused, on every rank, naming the sharded replacement."""
+    at stage 3 are spread over the ranks: refused, on every rank, naming the sharded replacement."""
     for callback in callbacks:
         if isinstance(callback, (WeightAveraging, StochasticWeightAveraging)):
             raise ValueError(
                 f"{type(callback).__name__} keeps an unsharded copy of the whole model on every rank, which the"
-                " shardlab strategy does not support (at stage 3 the module holds only placeholders between steps)."
+                " shardlab strategy does not support (at stage 3 each rank holds a slice of the weights between steps)."
                 " HINT: use"
                 " lightning_shardlab.ShardLabEMA(decay=...), which keeps each rank's share of the average and gives"
                 " EMAWeightAveraging's numbers."
@@ -155,6 +156,8 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         plugin.sharded = self.sharded
+        if self.sharded.config.stage is Stage.PARAMETERS:  # ModelPruning, BaseFinetuning (lightning_callbacks.py)
+            gather_for_weight_readers(trainer.callbacks, lambda writeback: self.gathered_params(writeback=writeback))
 
     def _sanity_driver(self, trainer: Trainer) -> ShardLabSanity:
         """The one driver of the sanity checks: the user's ``ShardLabSanity`` with its options, else one with the
@@ -257,7 +260,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
         """
         assert self.sharded is not None
         optimizers = [optimizer] if optimizer is not None else self.optimizers
-        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        params = self.sharded.masters(p for opt in optimizers for group in opt.param_groups for p in group["params"])
         return global_grad_norm(params, float(norm_type), self.sharded.mesh.shard)  # the replicas hold the same
 
     # ---- collectives Lightning asks for (metrics, barriers) ----
@@ -377,14 +380,17 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.sharded is not None
+        restore_param_groups(
+            self.lightning_module.trainer
+        )  # a finetuning callback's added groups (lightning_callbacks.py)
         ckpt.load_optimizers(self.optimizers, self.sharded, checkpoint)
 
     # ---- teardown ----
 
     @override
     def teardown(self) -> None:
-        # The module stays sharded (placeholders, hooks) so later validate/test/predict reuse it; the
-        # base teardown's module.cpu() would try to copy the meta placeholders.
+        # The module stays sharded (parameters at rest, hooks) so later validate/test/predict reuse it; the
+        # base teardown's module.cpu() would try to copy parameters at rest, which refuse to be read.
         assert self.cluster_environment is not None and self.accelerator is not None
         if self.sharded is not None:
             self.sharded.wait_gathers()  # the refresh after the last optimizer step may still be travelling

@@ -84,7 +84,7 @@ def test_unknown_optimizer_needs_to_be_declared_elementwise() -> None:
 def test_optimizer_over_foreign_tensors_is_refused() -> None:
     sharded = shard_model(OddNet(), ShardLabConfig(), Comm.single())
     stray = nn.Parameter(torch.zeros(5, 2))
-    with pytest.raises(ValueError, match=r"shape \(5, 2\) that is not a parameter of the LightningModule"):
+    with pytest.raises(ValueError, match=r"shape \(5, 2\) that is not a parameter of the sharded OddNet"):
         shard_optimizer(torch.optim.SGD([stray], lr=0.1), sharded)
 
 
@@ -230,3 +230,13 @@ def test_export_refuses_bad_input_naming_the_option_or_file(tmp_path: Path, caps
     with pytest.raises(SystemExit, match="shardlab export: error: .*no tensors under --prefix"):
         main([str(full), str(tmp_path / "e"), "--prefix", "lm."])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full.ckpt", "garbage.ckpt", "taken"]
+
+
+def test_a_param_group_of_foreign_tensors_is_refused_when_it_is_added() -> None:
+    sharded = shard_model(OddNet(), ShardLabConfig(), Comm.single())
+    optimizer = torch.optim.AdamW(sharded.module.inp.parameters(), lr=0.1)
+    shard_optimizer(optimizer, sharded)
+    optimizer.add_param_group({"params": list(sharded.module.tiny.parameters()), "lr": 0.01})  # the module's own
+    with pytest.raises(ValueError, match=r"the added param group of ShardedAdamW holds a tensor of shape \(3,\)"):
+        optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    assert len(optimizer.param_groups) == 2

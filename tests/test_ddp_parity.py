@@ -150,8 +150,8 @@ def _check_frozen(trainer: L.Trainer, where: str) -> None:
     for fp in trainer.strategy.sharded.flat_params:
         if not fp.layout.requires_grad:
             assert fp.grad_shard is None, f"{fp.layout.name}: {where}"
-            assert not any(p.grad is not None for p in fp.unsharded_params), where
-            assert not any(id(m) in stateful for m in fp.master_params), f"{fp.layout.name}: {where}"
+            assert not any(p.grad is not None for p in fp.params), where
+            assert not any(id(p) in stateful for p in fp.params), f"{fp.layout.name}: {where}"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

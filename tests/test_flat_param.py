@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_shardlab.sharding.flat_param import FlatParam, FlatParamLayout, alloc_storage, free_storage
+from lightning_shardlab.sharding.placeholders import ShardedAtRest
 
 SHAPES = [(("a.weight",), (7, 15)), (("a.bias",), (7,)), (("b.w", "c.w"), (1,)), (("d",), (17, 3))]
 
@@ -56,10 +57,11 @@ def test_shard_k_is_kth_slice_and_padding_zero(world_size: int) -> None:
         assert torch.equal(fp.flatten(values)[lay.numel :], torch.zeros(lay.padding))
 
 
-def test_unsharded_params_alias_full_buffer_through_free_and_alloc() -> None:
+def test_unsharded_views_alias_full_buffer_through_free_and_alloc() -> None:
     lay = layout(2)
     fp = FlatParam(lay, 0, torch.device("cpu"), resident_full=False)
-    weight = fp.unsharded_params[0]
+    fp.show_views()
+    weight = fp.params[0]
     version = weight._version
     assert weight.shape == (7, 15)
     free_storage(fp.full)
@@ -71,10 +73,14 @@ def test_unsharded_params_alias_full_buffer_through_free_and_alloc() -> None:
     assert weight._version == version
 
 
-def test_placeholders_are_meta_with_original_shapes() -> None:
+def test_stubs_keep_original_shapes_and_hold_no_memory() -> None:
     fp = FlatParam(layout(3), 1, torch.device("cpu"), resident_full=False)
-    assert [tuple(p.shape) for p in fp.placeholders] == [s for _, s in SHAPES]
-    assert all(p.is_meta for p in fp.placeholders)
+    params = list(fp.params)
+    fp.show_stubs()
+    assert [tuple(p.shape) for p in fp.params] == [s for _, s in SHAPES]
+    assert all(isinstance(p, ShardedAtRest) for p in fp.params)
+    assert all(a is b for a, b in zip(fp.params, params))  # the same objects: only their data changed
+    assert all(s.untyped_storage().nbytes() == 0 for s in fp.stubs)  # no memory
 
 
 def test_resident_full_shard_is_a_view() -> None:
@@ -95,5 +101,5 @@ def test_mixed_precision_tensors_have_their_dtypes() -> None:
     assert fp.shard.dtype == torch.bfloat16 and torch.equal(fp.shard, exact.bfloat16())
     assert fp.full.dtype == fp.grad_dtype == torch.bfloat16
     assert fp.reduce_dtype == torch.float32  # reduced in fp32 unless asked otherwise
-    assert all(p.dtype == torch.float32 for p in fp.placeholders)  # the module's logical parameters
-    assert all(p.dtype == torch.bfloat16 for p in fp.unsharded_params)
+    fp.show_views()
+    assert all(p.dtype == torch.bfloat16 for p in fp.params)  # the module computes in the compute dtype

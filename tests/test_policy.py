@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lightning_shardlab import Comm, ShardLabConfig, shard_model
+from lightning_shardlab.sharding.placeholders import ShardedAtRest
 from lightning_shardlab.sharding.policy import choose_units, owning_unit, param_uses
 from tests.models import OddNet, TinyGPT
 
@@ -67,9 +68,9 @@ def test_one_flat_param_per_dtype_and_requires_grad() -> None:
         (torch.float32, True, ["blocks.0.l1.bias"]),
         (torch.float64, True, ["blocks.0.l2.weight", "blocks.0.l2.bias"]),
     ]
-    # names never change, and at rest (stage 3) they hold meta placeholders of the original shapes
+    # names never change, and at rest (stage 3) the parameters keep their shapes but refuse their values
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in OddNet().named_parameters()]
-    assert model.blocks[0].l1.weight.is_meta and model.blocks[0].l1.weight.shape == (17, 15)
+    assert isinstance(model.blocks[0].l1.weight, ShardedAtRest) and model.blocks[0].l1.weight.shape == (17, 15)
     assert model.blocks[0].l2.weight.dtype == torch.float64
 
 

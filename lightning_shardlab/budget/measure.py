@@ -34,7 +34,7 @@ def category_tensors(flat_params: list[FlatParam], optimizers: Iterable[Optimize
         "params": [t for fp in flat_params for t in (fp.full, fp.shard)],
         "master": [fp.master for fp in flat_params],
         "grads": [fp.grad_shard for fp in flat_params if fp.grad_shard is not None]
-        + [p.grad for fp in flat_params for p in fp.unsharded_params if p.grad is not None],
+        + [p.grad for fp in flat_params for p in fp.params if p.grad is not None],
         "optimizer_state": state,
     }
 

@@ -36,21 +36,22 @@ def full_state_dict(sharded: ShardedModel, ema: bool = False) -> dict[str, Any]:
             "full_state_dict(ema=True) needs averaged weights, and there are none. HINT: train with"
             " callbacks=[lightning_shardlab.ShardLabEMA(...)]."
         )
+    sharded.adopt_replaced()
     with placeholders_allowed():
         keyed = sharded.module.state_dict(keep_vars=True)
     if ema:
         keyed = {k: averages.buffers.get(k, v) for k, v in keyed.items()}
-    values: dict[str, Tensor] = {}
+    values: dict[int, Tensor] = {}  # id(original param) -> its full value
     for fp in sharded.flat_params:
         full = sharded.gather_full(fp, averages.shard_of(sharded, fp) if ema else None)  # 1-D, padded_numel
         if sharded.comm.rank == 0:
-            for slot in fp.layout.slots:
+            for slot, param in zip(fp.layout.slots, fp.params):
                 value = full[slot.offset : slot.offset + slot.numel].view(slot.shape).detach().to("cpu", copy=True)
-                for fqn in slot.fqns:
-                    values[fqn] = value
+                values[id(param)] = value
     if sharded.comm.rank != 0:
         return {}
-    return {k: values[k] if k in values else _cpu(v) for k, v in keyed.items()}
+    # keyed by the module's names now (torch.nn.utils.prune renames weight to weight_orig), as under DDP
+    return {k: values[id(v)] if id(v) in values else _cpu(v) for k, v in keyed.items()}
 
 
 def _cpu(value: Any) -> Any:
@@ -120,11 +121,12 @@ def param_names(sharded: ShardedModel) -> set[str]:
 
 
 def optimizer_index(optimizer: Optimizer, sharded: ShardedModel) -> list[tuple[Tensor, FlatParam, int]]:
-    """(master view, its flat param, slot index) for each parameter index of ``optimizer.state_dict()``."""
+    """(master view, its flat param, slot index) for each parameter index of ``optimizer.state_dict()`` (its
+    param groups hold the original params; the state tensors have the master views' shapes)."""
     where = {}
     for fp in sharded.flat_params:
-        for i, master in enumerate(fp.master_params):
-            where[id(master)] = (master, fp, i)
+        for i, (param, master) in enumerate(zip(fp.params, fp.master_params)):
+            where[id(param)] = (master, fp, i)
     return [where[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 

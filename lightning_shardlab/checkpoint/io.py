@@ -69,9 +69,17 @@ def _remote(path: str | Path) -> bool:
 # ---- what Lightning's dump holds ----
 
 
+def _current(sharded: ShardedModel) -> None:
+    """Before a save or a load: values that user code gave a parameter as new ``.data`` are in the shards, and
+    every parameter is named as the module registers it now (sharding/sharded_model.py)."""
+    sharded.adopt_replaced()
+    sharded.sync_names()
+
+
 def module_state(sharded: ShardedModel) -> dict[str, Any]:
     """Collective for "full" (the unsharded state dict on rank 0); for "sharded", this rank's replicated
     entries (buffers): the parameters are written from the master shards by ``save``."""
+    _current(sharded)
     return full_state_dict(sharded) if sharded.config.state_dict_type == "full" else replicated_state(sharded)
 
 
@@ -98,6 +106,7 @@ def save(
 ) -> None:
     """Collective: write Lightning's dump (from ``module_state`` / ``optimizer_state``) atomically; a full file
     is written as ``reshape`` makes it (Fabric: the user's keys)."""
+    _current(sharded)
     if sharded.averages is not None:
         checkpoint[EMA_RECORD] = sharded.averages.record()
     if sharded.config.state_dict_type == "full":
@@ -178,6 +187,7 @@ def load(
     The returned dict is what Lightning restores from; for a sharded checkpoint its ``state_dict`` holds
     the replicated entries and ``SOURCE_KEY`` the reader that ``load_model`` / ``load_optimizers`` use."""
     comm = sharded.comm
+    _current(sharded)
     checkpoint, error = {}, None
     try:
         if _remote(filepath) or Path(filepath).is_file():

@@ -5,8 +5,10 @@ to the token embedding. The blocks sit in ``self.blocks`` (an ``nn.ModuleList``)
 default policy makes each block a unit, and the embeddings, final norm and head form the root unit.
 
 Nothing here knows about sharding: the same class trains with ``strategy="auto"``, ``"ddp"`` or
-``"shardlab"``. The one habit that matters under stage 3 is to select parameters by *name* (the weight
-decay groups below), since between steps the module holds placeholders rather than real tensors.
+``"shardlab"``. Parameters keep their objects, names and shapes under every stage; what stage 3 changes is
+that between steps their values are spread over the ranks, so ``configure_optimizers`` chooses the weight
+decay groups below by module type and name (nanoGPT's ``p.dim() >= 2`` would choose the same) and never
+by looking at values.
 """
 
 from __future__ import annotations
@@ -211,8 +213,8 @@ class GPT(L.LightningModule):
     def param_groups(self) -> list[dict]:
         """Weight decay for the weights of linear and embedding layers; none for biases and norms.
 
-        Chosen by module type and parameter name: under stage 3 the parameters are placeholders between
-        steps, so anything that inspects their values would be wrong (their names never change).
+        Chosen by module type and parameter name (shapes would do too); never by values, which at stage 3 are
+        spread over the ranks between steps.
         """
         decayed = {
             f"{path}.weight" for path, module in self.named_modules() if isinstance(module, (nn.Linear, nn.Embedding))

@@ -114,8 +114,8 @@ class HFGPT2(L.LightningModule):
     def param_groups(self) -> list[dict]:
         """Weight decay for the weights of linear, ``Conv1D`` and embedding layers; none for biases and norms.
 
-        Chosen by module type and name, as in ``GPT.param_groups``: under stage 3 the parameters are
-        placeholders between steps, but their names never change.
+        Chosen by module type and name, as in ``GPT.param_groups``: never by values, which at stage 3 are
+        spread over the ranks between steps.
         """
         from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer, with a transposed weight
 

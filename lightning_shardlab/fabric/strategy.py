@@ -168,9 +168,9 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Optimizers made before their module was sharded (``fabric.setup(model, optimizer)``; the only way at
-        stage 3, where Fabric refuses optimizers over the module's meta placeholders) are pointed at the
-        parameters the module holds now, by name; then they step master shards."""
+        """Optimizers made before their module was sharded (``fabric.setup(model, optimizer)``) keep the module's
+        parameter objects; a parameter made on the meta device was replaced by its identity for the run, and the
+        optimizer is pointed at that one, by name. Then they step master shards."""
         for group in optimizer.param_groups:
             group["params"] = [self._current(p) for p in group["params"]]
         sharded = self._owner_of(optimizer)

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from lightning_shardlab.offload.files import FileTier
 from lightning_shardlab.offload.stepping import Chunks, step_in_chunks
 from lightning_shardlab.sharding.flat_param import FlatParam
-from lightning_shardlab.sharding.optimizer import is_per_element
+from lightning_shardlab.sharding.optimizer import is_per_element, masters_in_place
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 
@@ -38,7 +38,6 @@ class DiskOffload:
     def __init__(self, sharded: ShardedModel, directory: str | Path) -> None:
         self.sharded = sharded
         self.files = FileTier(directory)
-        self._chunks: dict[int, Chunks] = {}  # id(optimizer) -> its flat parameters
         self._state: dict[tuple[int, int], dict[str, Tensor]] = {}  # (id(optimizer), id(flat param)) -> key -> 1-D, S
         self.step_seconds = 0.0  # measured: wall time inside offloaded optimizer steps (update and disk I/O)
         self._started = 0.0
@@ -73,30 +72,29 @@ class DiskOffload:
 
     def attach(self, optimizer: Optimizer) -> None:
         """After ``shard_optimizer``: ``optimizer`` steps one flat parameter at a time, its state settled in files."""
-        chunks = Chunks(optimizer, self.sharded.flat_params)
-        self._chunks[id(optimizer)] = chunks
         weakref.finalize(optimizer, self._forget, id(optimizer))  # a later fit's optimizer gets new files
 
-        def before(opt: Optimizer, i: int) -> None:
+        def before(opt: Optimizer, chunks: Chunks, i: int) -> None:
             if i == 0:
                 self._started = time.perf_counter()
             if i + 1 < len(chunks):
                 self.files.read_ahead(self.tensors_of(opt, chunks.members[i + 1][0]))
 
-        def after(opt: Optimizer, i: int) -> None:
+        def after(opt: Optimizer, chunks: Chunks, i: int) -> None:
             fp, views = chunks.members[i]
             self._settle(opt, fp, views)
             self.files.release(self.tensors_of(opt, fp))
             if i == len(chunks) - 1:
                 self.step_seconds += time.perf_counter() - self._started
 
-        step_in_chunks(optimizer, chunks, before, after)
+        step_in_chunks(optimizer, self.sharded.flat_params, before, after)
 
     def settle_all(self, optimizer: Optimizer) -> None:
         """After ``load_state_dict``: move the loaded state into files, one flat parameter at a time."""
-        for fp, views in self._chunks[id(optimizer)].members:
-            self._settle(optimizer, fp, views)
-            self.files.release(self.tensors_of(optimizer, fp))
+        with masters_in_place(optimizer, self.sharded):
+            for fp, views in Chunks(optimizer, self.sharded.flat_params).members:
+                self._settle(optimizer, fp, views)
+                self.files.release(self.tensors_of(optimizer, fp))
 
     def _settle(self, optimizer: Optimizer, fp: FlatParam, views: list[nn.Parameter]) -> None:
         """Every per-element state tensor of ``views`` that is not in its file yet is copied there and replaced
@@ -117,7 +115,6 @@ class DiskOffload:
                     state[key] = target
 
     def _forget(self, key: int) -> None:
-        self._chunks.pop(key, None)
         for name in [n for n in self._state if n[0] == key]:
             for tensor in self._state.pop(name).values():
                 self.files.forget(tensor)

@@ -13,8 +13,9 @@ In the order a step meets them:
     usage.py            the ranks' agreement on which parameters got gradients
     divergent_units.py  what a collective mismatch between units means, and the fix
     sharded_model.py    ``ShardedModel``: the units of one module, a step, the refresh after it
-    placeholders.py     a stage-3 module's state_dict() at rest refuses to hand out placeholders
-    optimizer.py        the optimizer over master shards; the global gradient norm
+    placeholders.py     a stage-3 parameter at rest: its shape answers, every read of its values raises
+    optimizer.py        ``Sharded<Class>``: the user's optimizer over the module's parameters, stepping the
+                        master shards; the global gradient norm
     gathered.py         full weights between steps for the user (``gathered_params``)
     averages.py         the sharded exponential average of the master shards (EMA)
 """

@@ -5,8 +5,8 @@
 the weights, later ones compute ``decay * average + (1 - decay) * weights``. Both are elementwise, so the
 slices of the unsharded average and the averages of the slices are the same numbers, bit for bit.
 
-    shards[i]    1-D, S, master dtype: the average of flat parameter i's master shard; None when the flat
-                 parameter is frozen (it never changes, so it is its own average and no copy is kept)
+    shards[i]    1-D, S, master dtype: the average of flat parameter i's master shard (a frozen one too: it may
+                 be unfrozen later, as BaseFinetuning does)
     buffers      name -> tensor: the buffers averaged the same way (``use_buffers``), else their values at
                  the last update (AveragedModel keeps its buffers in sync with the model's then)
     n_averaged   updates so far (0: the average still holds the weights it was made from)
@@ -26,9 +26,7 @@ from lightning_shardlab.sharding.sharded_model import ShardedModel
 class Averages:
     def __init__(self, sharded: ShardedModel, use_buffers: bool = True) -> None:
         self.use_buffers = use_buffers
-        self.shards: list[Tensor | None] = [
-            fp.master.detach().clone() if fp.layout.requires_grad else None for fp in sharded.flat_params
-        ]
+        self.shards: list[Tensor | None] = [fp.master.detach().clone() for fp in sharded.flat_params]
         self.buffers: dict[str, Tensor] = {n: b.detach().clone() for n, b in sharded.module.named_buffers()}
         self.n_averaged = 0
 

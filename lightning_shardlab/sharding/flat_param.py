@@ -3,28 +3,25 @@
 [Note: shardlab tensors]
 Every function and test in this package uses exactly these names. S = padded_numel // world_size.
 
-    original param   an ``nn.Parameter`` the user created. Its values are copied into the flat buffer
-                     at setup; from then on the module holds one of the two objects below instead,
-                     under the same name.
-    full buffer      ``full``: 1-D, numel = padded_numel, compute dtype. The unit's parameters laid end
-                     to end in registration order, then zeros up to a multiple of the world size.
-                     Stage 3 frees its storage whenever the unit is SHARDED; stages 1-2 keep it.
-    shard            ``shard``: 1-D, numel = S, compute dtype: ``full[rank*S:(rank+1)*S]``. Stage 3
-                     keeps it as its own tensor; stages 1-2 view it inside ``full``.
-    master shard     ``master``: 1-D, numel = S, fp32. What the optimizer updates. In fp32 training it
-                     *is* ``shard`` (same tensor), so there is no second copy.
-    unsharded param  ``unsharded_params[i]``: an ``nn.Parameter`` viewing ``full[offset:offset+numel]``
-                     with the original shape. The module computes with it; autograd writes its ``.grad``.
-    placeholder      ``placeholders[i]`` (stage 3 only): an ``nn.Parameter`` on the meta device with the
-                     original shape. The module holds it while the unit is SHARDED, so names, shapes and
-                     ``numel()`` stay right and reading values fails loudly instead of reading a shard.
+    original param   ``params[i]``: the ``nn.Parameter`` the user created. It is the module's, the optimizer's
+                     and every callback's for the whole run (one identity); only its ``.data`` changes. Its
+                     ``shape`` is always the real one and its ``requires_grad`` is read, never copied.
+    unsharded view   ``views[i]``: ``full[offset:offset+numel]`` with the original shape. While the unit is
+                     gathered (stages 1-2: always) the original param's ``.data`` is this view, so the
+                     module computes with it and autograd writes the param's ``.grad`` in that shape.
+    stub             ``stubs[i]`` (stage 3 only): the original shape, stride 0, over a storage of 0 bytes (no
+                     memory). While the unit is SHARDED the param's ``.data`` is its stub and its class is
+                     ``ShardedAtRest`` (sharding/placeholders.py): shape and flags answer, and every read of
+                     values is refused before a kernel could touch the empty storage.
     group shard      ``group_shard`` (stage 3 with ``reshard_after_forward=k`` only): 1-D, padded_numel / k,
                      compute dtype: ``full[j*P/k:(j+1)*P/k]``, j = this rank's place in its reshard group of
                      k ranks. Kept from a unit's forward to its backward, whose all-gather then runs among
                      those k ranks only (comm/mesh.py); None otherwise.
     master view      ``master_params[i]``: an ``nn.Parameter`` viewing the part of ``master`` that
-                     overlaps parameter i (1-D, possibly empty). The optimizer holds these.
-    flat grad        ``flat_grad``: 1-D, numel = padded_numel: the unsharded params' grads laid out like
+                     overlaps parameter i (1-D, possibly empty). The optimizer updates these: for the
+                     update alone its param groups hold them in place of the original params
+                     (sharding/optimizer.py), and its state lives beside the original params otherwise.
+    flat grad        ``flat_grad``: 1-D, numel = padded_numel: the original params' grads laid out like
                      ``full`` (zeros for padding and for parameters that got no gradient). Transient:
                      the input of the reduce-scatter.
     grad shard       ``grad_shard``: 1-D, numel = S, ``grad_dtype`` (the compute dtype: bf16 under mixed
@@ -33,8 +30,8 @@ Every function and test in this package uses exactly these names. S = padded_num
     master grad      ``master_grad``: the grad shard in the master's dtype, made for the optimizer step only
                      (a view of the grad shard when the dtypes agree). Each master view's ``.grad`` views it.
 
-Why freeing storage keeps autograd valid: the unsharded params are views of ``full``. Autograd saves
-them (or views of them) for backward. ``free_storage`` shrinks the *same* storage object to 0 bytes
+Why freeing storage keeps autograd valid: while gathered, the original params' data are views of ``full``.
+Autograd saves them (or views of them) for backward. ``free_storage`` shrinks the *same* storage object to 0 bytes
 and ``alloc_storage`` grows it back, so every saved reference points at valid memory again once the
 unit is re-gathered before its backward. Replacing ``full`` by a new tensor would silently break them.
 """
@@ -46,6 +43,8 @@ from functools import cached_property
 
 import torch
 from torch import Tensor, nn
+
+from lightning_shardlab.sharding.placeholders import ShardedAtRest
 
 
 @dataclass(frozen=True)
@@ -158,6 +157,15 @@ def alloc_storage(tensor: Tensor) -> None:
         storage.resize_(nbytes)
 
 
+def stub(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A tensor of ``shape`` that holds no memory: stride 0 over a storage shrunk to 0 bytes. Only ever the data of
+    a ``ShardedAtRest`` parameter, whose every read raises before a kernel runs (sharding/placeholders.py)."""
+    one = torch.zeros((), dtype=dtype, device=device)
+    out = one.expand(shape)
+    free_storage(one)
+    return out
+
+
 def storage_is_allocated(tensor: Tensor) -> bool:
     return tensor.untyped_storage().size() > 0
 
@@ -165,13 +173,12 @@ def storage_is_allocated(tensor: Tensor) -> bool:
 class FlatParam:
     """The tensors of one flat parameter on this rank (names as in [Note: shardlab tensors]).
 
-    dtypes: ``layout.dtype`` is the parameters' own dtype, which the master shard and the placeholders
-    keep; ``compute_dtype`` is what is gathered and computed with (bf16 under mixed precision, else the
-    same); ``reduce_dtype`` is what the reduce-scatter sums in; ``grad_dtype`` is what the grad shard
-    holds between steps (the compute dtype: 2 bytes per element under mixed precision, as the ZeRO table
-    counts; the optimizer reads an fp32 copy, ``master_grad``, that lives only until its step).
-    ``resident_full`` is True at stages 1-2 (``full`` always allocated, ``shard`` a view of it) and False at
-    stage 3 (``full`` exists only while gathered).
+    dtypes: ``layout.dtype`` is the parameters' own dtype, which the master shard keeps; ``compute_dtype`` is
+    what is gathered and computed with (bf16 under mixed precision, else the same); ``reduce_dtype`` is what
+    the reduce-scatter sums in; ``grad_dtype`` is what the grad shard holds between steps (the compute dtype:
+    2 bytes per element under mixed precision, as the ZeRO table counts; the optimizer reads an fp32 copy,
+    ``master_grad``, that lives only until its step). ``resident_full`` is True at stages 1-2 (``full`` always
+    allocated, ``shard`` a view of it) and False at stage 3 (``full`` exists only while gathered).
     """
 
     def __init__(
@@ -182,6 +189,7 @@ class FlatParam:
         resident_full: bool,
         compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        params: list[nn.Parameter] | None = None,
     ) -> None:
         self.layout = layout
         self.rank = rank
@@ -205,17 +213,22 @@ class FlatParam:
         self.grad_shard: Tensor | None = None  # 1-D, S, grad dtype; allocated by the first reduction
         self.master_grad: Tensor | None = None  # 1-D, S, master dtype; mixed precision, only for a step
         self.grads_shown = False  # the master views' .grad point at this gradient (see sharding/gradients.py)
-        self.unsharded_params: list[nn.Parameter] = [
-            nn.Parameter(alias(self.full, slot.offset, slot.shape), layout.requires_grad) for slot in layout.slots
-        ]
-        self.placeholders: list[nn.Parameter] = [
-            nn.Parameter(torch.empty(slot.shape, dtype=layout.dtype, device="meta"), layout.requires_grad)
+        self.views: list[Tensor] = [alias(self.full, slot.offset, slot.shape) for slot in layout.slots]
+        self.stubs: list[Tensor] = [stub(slot.shape, self.compute_dtype, device) for slot in layout.slots]
+        # the original params (a plain module, e.g. in the tests, may hand none: then fresh ones)
+        self.params: list[nn.Parameter] = params or [
+            nn.Parameter(torch.empty(slot.shape, dtype=layout.dtype, device=device), layout.requires_grad)
             for slot in layout.slots
         ]
+        with torch._C.DisableTorchFunctionSubclass():
+            self._shown: list[Tensor] = [p.data for p in self.params]  # what each param's .data was last set to
+        self._copies_shown = False  # the user's full copies are shown (gathered_params), not views or stubs
+        self.world_rank = rank  # for messages: the rank as the user knows it (its unit sets it under hybrid sharding)
+        self.aliases: dict[int, Tensor] = {}  # slot -> a tensor user code gave its param as .data (mirror_aliases)
         self.master_params: list[nn.Parameter] = []
         for slot in layout.slots:
             lo, hi = layout.slot_in_shard(slot, rank)
-            self.master_params.append(nn.Parameter(self.master[lo:hi], layout.requires_grad))
+            self.master_params.append(nn.Parameter(self.master[lo:hi]))
         if self.gathers:  # stage 3: allocated only while gathered; freed after the aliases (set_ would regrow it)
             free_storage(self.full)
 
@@ -268,3 +281,89 @@ class FlatParam:
     def free_full(self) -> None:
         if self.gathers:
             free_storage(self.full)
+
+    # ---- what the original params' .data is (see the note above) ----
+
+    def show_views(self) -> None:
+        """The original params compute with the full buffer (their unit is gathered)."""
+        self._show(self.views, at_rest=False)
+
+    def show_stubs(self) -> None:
+        """Stage 3, the unit sharded: the original params keep their shape, and refuse their values."""
+        self._show(self.stubs, at_rest=True)
+
+    def show_copies(self, copies: list[Tensor]) -> None:
+        """The original params hold ``copies`` (full values for the user: sharding/gathered.py)."""
+        self.mirror_aliases(copies)
+        self._show(copies, at_rest=False, copies=True)
+
+    def _show(self, datas: list[Tensor], at_rest: bool, copies: bool = False) -> None:
+        self.adopt_replaced()
+        self._copies_shown = copies
+        for i, (param, data) in enumerate(zip(self.params, datas)):
+            param.__class__ = nn.Parameter
+            param.data = data
+            self._shown[i] = data
+            if at_rest:
+                param._shardlab_name, param._shardlab_rank = self.layout.slots[i].name, self.world_rank
+                param.__class__ = ShardedAtRest
+
+    def replaced(self) -> list[int]:
+        """The slots whose param's ``.data`` someone else replaced since it was last shown (e.g.
+        ``torch.nn.utils.prune.remove``: ``orig.data = weight.data``)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return [i for i, (p, shown) in enumerate(zip(self.params, self._shown)) if not _same_tensor(p.data, shown)]
+
+    def adopt_replaced(self) -> list[int]:
+        """Take the values of every replaced ``.data`` (see ``replaced``), then show the param what it held
+        before. Into the user's full copies while they are shown (gathered_params decides what to keep), else
+        into the shards, as a step would: the master slice, the compute shard, and the full buffer while it holds
+        values. Every rank runs the same code, so every rank adopts the same values (as under DDP)."""
+        slots = self.replaced()
+        start = self.layout.shard_range(self.rank)[0]
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            for i in slots:
+                slot, value, shown = self.layout.slots[i], self.params[i].data, self._shown[i]
+                if value.shape != slot.shape:
+                    raise RuntimeError(
+                        f"[rank {self.rank}] parameter {slot.name!r} was given data of shape {tuple(value.shape)},"
+                        f" but it was sharded with shape {tuple(slot.shape)}. HINT: keep a parameter's shape; for a"
+                        " new shape, register a new parameter before training starts."
+                    )
+                self.aliases[i] = value  # torch's p.data = t shares t's storage with p: keep t equal to p
+                if self._copies_shown:
+                    shown.copy_(value)
+                else:
+                    flat = value.detach().reshape(-1)
+                    lo, hi = self.layout.slot_in_shard(slot, self.rank)
+                    a = start + lo - slot.offset
+                    self.master[lo:hi].copy_(flat[a : a + hi - lo])
+                    if self.shard is not self.master:
+                        self.shard[lo:hi].copy_(flat[a : a + hi - lo])
+                    if storage_is_allocated(self.full):
+                        self.full[slot.offset : slot.offset + slot.numel].copy_(flat)
+                self.params[i].data = shown
+        return slots
+
+    def mirror_aliases(self, values: list[Tensor] | None = None) -> None:
+        """After ``p.data = t`` torch's ``p`` and ``t`` share one storage, so ``t`` follows every later update of
+        ``p`` (``ModelPruning``'s lottery-ticket reset relies on it: its saved initial weights then move with
+        training). Here ``p`` computes with its view of the full buffer again, so ``t`` is kept equal to it instead:
+        from ``values`` (the user's full copies) or the full buffer while it holds values. A ``t`` that nobody
+        else holds any more is forgotten (its memory freed)."""
+        for i, alias in list(self.aliases.items()):
+            if torch._C._storage_Use_Count(alias.untyped_storage()._cdata) <= 2:  # this dict's, and the call's
+                del self.aliases[i]
+            elif values is not None or storage_is_allocated(self.full):
+                with torch.no_grad():
+                    alias.copy_((values or self.views)[i])
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    return (
+        a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )

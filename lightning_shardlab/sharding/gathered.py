@@ -9,15 +9,16 @@
 Collective: every rank enters with the same ``modules``. For each unit that owns a parameter of one of
 ``modules`` (every unit if None), in unit order, each flat parameter's master shards are all-gathered,
 one flat parameter at a time, into a full buffer in master precision (under mixed precision: the fp32
-values the optimizer holds, not the bf16 compute copies), and the module's parameters point at views
-of it, under their own names. Memory: the full buffers of the selected units, held until the block
+values the optimizer holds, not the bf16 compute copies), and the module's parameters (the same objects
+as always) hold views of it as their data. Memory: the full buffers of the selected units, held until the block
 ends (every unit: the whole model, as with FSDP; name modules to hold less).
 
 On exit with ``writeback=True`` each rank takes its own slice of the full values, changed or not, into
 its master shard (a change made the same way on every rank therefore lands everywhere; one made on one
 rank only lands in that rank's slice, as in FSDP), and compute copies are refreshed. Without it, changes
 are discarded (at stages 1-2 in fp32, where the resident full buffer already holds the master values,
-the block gets a copy). Then the module holds its placeholders (stage 3) or unsharded params again.
+the block gets a copy); a parameter whose ``.data`` the block replaced counts as changed. Then the
+parameters hold their stubs (stage 3) or their views of the full buffers again.
 Inside, a gathered unit's forward must run without gradients: its full copies are not trained.
 """
 
@@ -46,11 +47,8 @@ def gathered_params(sharded: ShardedModel, modules: Modules = None, writeback: b
     try:
         for unit in units:
             fulls = [_full_values(sharded, fp, writeback) for fp in unit.flat_params]
-            params = [
-                fp.unsharded_params if full is fp.full else _views(fp, full)
-                for fp, full in zip(unit.flat_params, fulls)
-            ]
-            summoned.append((unit, unit.summon(params), fulls))
+            copies = [fp.views if full is fp.full else _views(fp, full) for fp, full in zip(unit.flat_params, fulls)]
+            summoned.append((unit, unit.summon(copies), fulls))
         yield
         ok = True
     finally:
@@ -66,12 +64,7 @@ def selected_units(sharded: ShardedModel, modules: Modules) -> list[Unit]:
         return list(sharded.units)
     if isinstance(modules, (nn.Module, str)):
         modules = [modules]
-    owner = {
-        id(p): unit
-        for unit in sharded.units
-        for fp in unit.flat_params
-        for p in (*fp.placeholders, *fp.unsharded_params)
-    }
+    owner = {id(p): unit for unit in sharded.units for fp in unit.flat_params for p in fp.params}
     wanted: set[int] = set()
     for m in modules:
         module = sharded.module.get_submodule(m) if isinstance(m, str) else m
@@ -93,8 +86,8 @@ def _full_values(sharded: ShardedModel, fp: FlatParam, writeback: bool) -> Tenso
     return full
 
 
-def _views(fp: FlatParam, full: Tensor) -> list[nn.Parameter]:
-    return [nn.Parameter(alias(full, slot.offset, slot.shape), fp.layout.requires_grad) for slot in fp.layout.slots]
+def _views(fp: FlatParam, full: Tensor) -> list[Tensor]:
+    return [alias(full, slot.offset, slot.shape) for slot in fp.layout.slots]
 
 
 def _write_back(sharded: ShardedModel, summoned: list[tuple[Unit, UnitState, list[Tensor]]]) -> None:

@@ -9,7 +9,8 @@ user last cleared the gradients. The optimizer sees it through the master views'
   steps only the 2-byte grad shard stays (DeepSpeed's ledger: 2 B compute copy + 2 B gradient + 4 B
   master + 8 B moments).
 
-The user clears gradients through the master views (``zero_grad`` sets them to None, or zeroes them).
+The user clears gradients with the optimizer's (or the module's) ``zero_grad``, which the sharded optimizer
+passes on to the master views (sharding/optimizer.py): they are set to None, or zeroed.
 Nothing here communicates.
 """
 
@@ -29,10 +30,11 @@ def _slices(fp: FlatParam):  # noqa: ANN202
 
 def accumulate(fp: FlatParam, new: Tensor) -> None:
     """grad shard += ``new`` (1-D, S, a reduce-scatter result), honouring what the user did since the last
-    ``show``: 1. drop parameters frozen since sharding  2. start afresh if every gradient was cleared
-    3. otherwise take the shown values back (the user may have zeroed or clipped them), zeroing cleared slices."""
-    for master, lo, hi in _slices(fp):
-        if not master.requires_grad:  # frozen after sharding (toggle_optimizer): its gradient is not wanted
+    ``show``: 1. drop parameters frozen now (their gradient is not wanted)  2. start afresh if every gradient
+    was cleared  3. otherwise take the shown values back (the user may have zeroed or clipped them), zeroing
+    cleared slices."""
+    for param, (_, lo, hi) in zip(fp.params, _slices(fp)):
+        if not param.requires_grad:
             new[lo:hi].zero_()
     if fp.grad_shard is None:
         fp.grad_shard = new.to(fp.grad_dtype)
@@ -60,8 +62,8 @@ def show(fp: FlatParam, used: Tensor) -> None:
         # 1-D, S: the optimizer's fp32 view (in host memory when the master is offloaded there), until its step
         fp.master_grad = torch.empty_like(fp.master, pin_memory=fp.master.is_pinned()).copy_(fp.grad_shard)
         source = fp.master_grad
-    for i, (master, lo, hi) in enumerate(_slices(fp)):
-        if used[i] and master.requires_grad:  # not frozen by the user, e.g. toggle_optimizer()
+    for i, (param, (master, lo, hi)) in enumerate(zip(fp.params, _slices(fp))):
+        if used[i] and param.requires_grad:  # not frozen by the user, e.g. toggle_optimizer()
             if master.grad is None or master.grad.data_ptr() != source[lo:hi].data_ptr():
                 master.grad = source[lo:hi]
     fp.grads_shown = True
@@ -78,10 +80,10 @@ def release(fp: FlatParam) -> None:
 
 
 def flat_grad(fp: FlatParam) -> Tensor:
-    """The unsharded params' grads laid out like ``full`` in the reduce dtype; zeros where a parameter got
+    """The original params' grads laid out like ``full`` in the reduce dtype; zeros where a parameter got
     none, and for padding. 1-D, padded_numel. The input of the reduce-scatter."""
     parts = []
-    for slot, param in zip(fp.layout.slots, fp.unsharded_params):
+    for slot, param in zip(fp.layout.slots, fp.params):
         grad = param.grad
         parts.append(grad.reshape(-1) if grad is not None else fp.full.new_zeros(slot.numel))
     if fp.layout.padding:

@@ -1,15 +1,30 @@
-"""The sharded optimizer: the user's optimizer, rewritten to update only this rank's master shard.
+"""The sharded optimizer: the user's optimizer, made to update only this rank's master shard.
 
-``configure_optimizers`` runs unchanged and sees the module's parameters (placeholders at stage 3,
-unsharded params at stages 1-2). ``shard_optimizer`` then replaces, in place, every parameter in every
-param group by its master view, so hyperparameters per group, LR schedulers and Lightning's optimizer
-wrappers keep working. A step on a slice equals the slice of a full step only when the update of each
-element depends on that element alone; optimizers that are not elementwise are refused.
+``configure_optimizers`` runs unchanged and sees the module's parameters; its param groups keep holding them
+(one identity: Lightning's finetuning callbacks, ``toggle_optimizer`` and users map them to names and back).
+``shard_optimizer`` swaps the optimizer's class, as torch's ``fully_shard`` swaps a module's, for
+``Sharded<Class>``, whose methods map each original param to its master view (sharding/flat_param.py):
+
+    step               runs the closure (forward and backward), then, for the update alone, puts the master
+                       views in the param groups and the optimizer's state beside them (``masters_in_place``),
+                       and runs the class's own update; the state goes back beside the original params
+    zero_grad          clears the original params' gradients (kept unreduced inside ``no_sync``) and the
+                       master views' (the reduced gradient shards)
+    add_param_group    takes any parameter of the sharded module (``BaseFinetuning`` unfreezes and adds them
+                       mid-run), and refuses anything else at once
+    load_state_dict    loads beside the master views, so state keeps their dtype and device
+
+A step on a slice equals the slice of a full step only when the update of each element depends on that
+element alone; optimizers that are not elementwise are refused.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,29 +144,137 @@ def check_elementwise(optimizer: Optimizer, extra: tuple[str, ...] = ()) -> None
 
 
 def shard_optimizer(optimizer: Optimizer, sharded: ShardedModel) -> None:
-    """Rewrite ``optimizer``'s param groups in place to hold master views (every rank, same order)."""
+    """Make ``optimizer`` step this rank's master shards (every rank, same param groups), in place."""
     check_elementwise(optimizer, sharded.config.elementwise_optimizers)
     if optimizer.state:
         raise ValueError(
             f"{type(optimizer).__name__} already has state, so it was stepped before sharding."
             " HINT: create optimizers in configure_optimizers()."
         )
-    by_id = sharded.master_params_by_id()
-    stepped = set()
     for index, group in enumerate(optimizer.param_groups):
-        masters = []
-        for param in group["params"]:
-            if id(param) not in by_id:
-                raise ValueError(
-                    f"param group {index} of {type(optimizer).__name__} holds a tensor of shape {tuple(param.shape)}"
-                    " that is not a parameter of the LightningModule. HINT: build optimizers from self.parameters()"
-                    " (or named_parameters()) inside configure_optimizers()."
-                )
-            _name, master, fp = by_id[id(param)]
-            masters.append(master)
-            stepped.add(fp)
-        group["params"] = masters
-    optimizer.register_step_post_hook(lambda opt, args, kwargs: sharded.after_optimizer_step(stepped))
+        _check_params(optimizer, sharded, group["params"], f"param group {index}")
+    cls = type(optimizer)
+    optimizer.__class__ = type(f"Sharded{cls.__name__}", (cls,), _sharded_methods(cls, sharded))
+    _rewrap_lr_scheduler(optimizer)
+    optimizer.register_step_post_hook(
+        lambda opt, args, kwargs: sharded.after_optimizer_step(sharded.flat_params_of(_originals(opt)))
+    )
+
+
+def _check_params(optimizer: Optimizer, sharded: ShardedModel, params: list[Tensor], where: str) -> None:
+    known = sharded.master_params_by_id()
+    for param in params:
+        if id(param) not in known:
+            raise ValueError(
+                f"{where} of {type(optimizer).__name__} holds a tensor of shape {tuple(param.shape)} that is not a"
+                f" parameter of the sharded {type(sharded.module).__name__}. HINT: build optimizers from"
+                " self.parameters() (or named_parameters()) of the LightningModule, and add param groups of its"
+                " parameters only."
+            )
+
+
+def _originals(optimizer: Optimizer) -> list[Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _sharded_methods(cls: type[Optimizer], sharded: ShardedModel) -> dict[str, Any]:
+    hooked = cls.step
+    raw = hooked.__wrapped__ if getattr(hooked, "hooked", False) else hooked  # the update, without the hooks
+
+    def step(self: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with masters_in_place(self, sharded):
+            update = getattr(self, "_shardlab_update", None)  # offload='disk' steps one flat parameter at a time
+            update(raw) if update is not None else raw(self)
+        return loss
+
+    def zero_grad(self: Optimizer, set_to_none: bool = True) -> None:
+        cls.zero_grad(self, set_to_none)
+        for master in sharded.masters(_originals(self)):
+            if master.grad is not None:
+                if set_to_none:
+                    master.grad = None
+                else:
+                    master.grad.zero_()
+
+    def add_param_group(self: Optimizer, param_group: dict[str, Any]) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        _check_params(self, sharded, params, "the added param group")
+        cls.add_param_group(self, param_group)
+
+    def load_state_dict(self: Optimizer, state_dict: dict[str, Any]) -> None:
+        with masters_in_place(self, sharded):
+            cls.load_state_dict(self, state_dict)
+
+    hooked_step = Optimizer.profile_hook_step(step)
+    hooked_step.hooked = True  # type: ignore[attr-defined]
+    return {
+        "step": hooked_step,
+        "zero_grad": zero_grad,
+        "add_param_group": add_param_group,
+        "load_state_dict": load_state_dict,
+        "_shardlab_sharded": sharded,
+    }
+
+
+@contextmanager
+def masters_in_place(optimizer: Optimizer, sharded: ShardedModel) -> Iterator[None]:
+    """For the block: ``optimizer``'s param groups hold the master views of their original params, and its
+    state is keyed by them (what the class's own update reads and writes); then both go back."""
+    masters = sharded.masters_by_id()
+    originals: dict[int, Tensor] = {}
+    for group in optimizer.param_groups:
+        swapped = []
+        for p in group["params"]:
+            m = masters.get(id(p), p)
+            originals[id(m)] = p
+            if p in optimizer.state:
+                optimizer.state[m] = optimizer.state.pop(p)
+            swapped.append(m)
+        group["params"] = swapped
+    try:
+        yield
+    finally:
+        for group in optimizer.param_groups:  # load_state_dict makes new group dicts: map them back as they are
+            group["params"] = [originals.get(id(m), m) for m in group["params"]]
+        for m_id, p in originals.items():
+            m = masters.get(id(p))
+            if m is not None and id(m) == m_id and m in optimizer.state:
+                optimizer.state[p] = optimizer.state.pop(m)
+
+
+def _rewrap_lr_scheduler(optimizer: Optimizer) -> None:
+    """An LR scheduler made in ``configure_optimizers`` wrapped the old class's ``step`` on the instance (torch
+    notes that the optimizer stepped before it): made again around the new class's step."""
+    patched = optimizer.__dict__.get("step")
+    if patched is None:
+        return
+    if not getattr(patched, "_wrapped_by_lr_sched", False):
+        raise ValueError(
+            f"{type(optimizer).__name__}.step was replaced on the optimizer itself ({patched!r}), so the sharded"
+            " step would be bypassed. HINT: wrap the optimizer's class instead."
+        )
+    optimizer.step = noting_the_call(optimizer)  # type: ignore[method-assign]
+
+
+def noting_the_call(optimizer: Optimizer) -> Callable[..., Any]:
+    """What torch's LR schedulers put on the instance (they warn if the optimizer was not stepped before them),
+    around the class's current step."""
+    ref = weakref.ref(optimizer)
+
+    @functools.wraps(type(optimizer).step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = ref()
+        assert opt is not None
+        opt._opt_called = True  # type: ignore[attr-defined]
+        return type(opt).step(opt, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 def global_grad_norm(params: list[Tensor], norm_type: float, comm: Comm) -> Tensor:
@@ -160,7 +283,7 @@ def global_grad_norm(params: list[Tensor], norm_type: float, comm: Comm) -> Tens
     The same number torch computes on the unsharded gradients: ||(||g_1||, ..., ||g_k||)||, because
     each parameter's slices partition it (sum of p-th powers for p < inf, max for inf).
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]  # master views (ShardedModel.masters)
     device = grads[0].device if grads else comm.device  # the host's with offload='cpu': the sum travels
     if math.isinf(norm_type):
         maxima = [g.abs().max().float() for g in grads if g.numel()]

@@ -1,4 +1,13 @@
-"""Reading a stage-3 module between steps fails loudly: its ``state_dict()`` would hold meta placeholders.
+"""Reading a stage-3 parameter between steps fails loudly: it keeps its real shape, but not its values.
+
+At stage 3 each rank holds a slice of every flat parameter between steps. The module's parameters stay the
+same objects for the whole run (the optimizer and callbacks hold them too); while their unit is sharded,
+each one's ``.data`` is a *stub* (its real shape and dtype over a storage of 0 bytes, so it costs no memory)
+and its class is ``ShardedAtRest``, a ``Parameter`` whose every tensor operation raises, naming the
+parameter, the code that read it (a Lightning callback if one did) and the fix. What needs no values stays
+open: ``shape``, ``dim()``, ``numel()``, ``dtype``, ``device``, ``requires_grad`` (read and set), ``.grad``, and
+where it lies (``untyped_storage()``, ``data_ptr()``, strides: the stub's, as memory accounting reads them).
+When the unit is gathered the class is plain ``nn.Parameter`` again, so computing costs nothing extra.
 
 ``refuse_placeholders`` is the state-dict hook the sharded model installs; ``placeholders_allowed`` lets the
 checkpoint code list the keys (``state_dict(keep_vars=True)``) without reading any value.
@@ -6,14 +15,107 @@ checkpoint code list the keys (``state_dict(keep_vars=True)``) without reading a
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import torch
 from torch import Tensor, nn
+
+# what a parameter at rest still answers: its metadata, its flag and its gradient, never its values
+METADATA = frozenset(
+    {
+        Tensor.shape.__get__,
+        Tensor.ndim.__get__,
+        Tensor.dtype.__get__,
+        Tensor.device.__get__,
+        Tensor.layout.__get__,
+        Tensor.is_cuda.__get__,
+        Tensor.is_meta.__get__,
+        Tensor.is_sparse.__get__,
+        Tensor.is_quantized.__get__,
+        Tensor.requires_grad.__get__,
+        Tensor.requires_grad.__set__,
+        Tensor.grad.__get__,
+        Tensor.grad.__set__,
+        Tensor.is_leaf.__get__,
+        Tensor.grad_fn.__get__,
+        Tensor.data.__set__,
+        Tensor.untyped_storage,  # the stub's: 0 bytes, what memory accounting sees
+        Tensor.data_ptr,
+        Tensor.storage_offset,
+        Tensor.stride,
+        Tensor.is_contiguous,
+        Tensor.nbytes.__get__,
+        Tensor.itemsize.__get__,
+        Tensor.size,
+        Tensor.dim,
+        Tensor.numel,
+        Tensor.nelement,
+        Tensor.element_size,
+        Tensor.is_floating_point,
+        Tensor.is_complex,
+        Tensor.requires_grad_,
+        Tensor.get_device,
+        Tensor.__hash__,
+    }
+)
+
+
+class ShardedAtRest(nn.Parameter):
+    """The class of a stage-3 parameter while its unit is sharded (see the module docstring)."""
+
+    _shardlab_name: str = "?"
+    _shardlab_rank: int = 0
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func not in METADATA:
+            rest = next((a for a in _tensors(args, kwargs) if isinstance(a, ShardedAtRest)), None)
+            if rest is not None:
+                raise at_rest_error(rest, getattr(func, "__name__", str(func)))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise at_rest_error(self, "deepcopy")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise at_rest_error(self, "pickle")
+
+
+def _tensors(args: tuple, kwargs: dict | None) -> Iterator[Any]:
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+def at_rest_error(param: ShardedAtRest, what: str) -> RuntimeError:
+    caller = _calling_callback()
+    by = f" by {caller}" if caller else ""
+    return RuntimeError(
+        f"[rank {param._shardlab_rank}] parameter {param._shardlab_name!r} was read ({what}){by} while it is sharded"
+        " (stage 3): between steps each rank holds only a slice of it, so its values are not here. HINT: read or"
+        " change it inside `with trainer.strategy.gathered_params(writeback=True):` on every rank (Fabric:"
+        " `fabric.strategy.gathered_params(...)`); for the whole state dict call trainer.strategy.full_state_dict()"
+        " on every rank; or train with strategy='shardlab_stage_2', where every rank keeps the whole parameters."
+    )
+
+
+def _calling_callback() -> str | None:
+    """The Lightning callback whose code is on the stack (named in the error), if any."""
+    for info in inspect.stack(context=0)[2:]:
+        owner = info.frame.f_locals.get("self")
+        if owner is not None and any(c.__name__ == "Callback" for c in type(owner).__mro__[1:]):
+            return f"{type(owner).__name__}.{info.function}"
+    return None
 
 
 def refuse_placeholders(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    if not _listing.active and any(isinstance(v, Tensor) and v.is_meta for v in state_dict.values()):
+    if not _listing.active and any(isinstance(v, ShardedAtRest) for v in state_dict.values()):
         raise RuntimeError(
             f"{type(module).__name__}.state_dict() was called while its parameters are sharded (stage 3): each"
             " rank holds only a slice. HINT: call trainer.strategy.full_state_dict() on every rank (rank 0 gets the"

@@ -1,16 +1,19 @@
 """``shard_model(module, config, comm)``: turn a module into units of flat parameters, in place.
 
-The module keeps its class and its parameter names; each name is pointed at a placeholder (stage 3
-at rest) or an unsharded param (computing, or stages 1-2). The returned ``ShardedModel`` is the
-handle that holds the units and decides, on each hook event, when to gather, reduce and free.
+The module keeps its class, its parameter names and its parameter objects (one identity per parameter, for
+the whole run: the module's, the optimizer's and every callback's); only each parameter's ``.data`` changes,
+between a stub (stage 3 at rest: the real shape, no values) and a view of the gathered full buffer (computing,
+or stages 1-2). The returned ``ShardedModel`` is the handle that holds the units and decides, on each hook
+event, when to gather, reduce and free.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,12 +26,12 @@ from lightning_shardlab.comm.labels import phase
 from lightning_shardlab.comm.mesh import Mesh
 from lightning_shardlab.config import PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding import divergent_units, gradients, hooks
-from lightning_shardlab.sharding.flat_param import FlatParam, FlatParamLayout
+from lightning_shardlab.sharding.flat_param import FlatParam, FlatParamLayout, stub
 from lightning_shardlab.sharding.materialize import has_meta, materialize
 from lightning_shardlab.sharding.placeholders import refuse_placeholders
 from lightning_shardlab.sharding.policy import plan_units
 from lightning_shardlab.sharding.same_layout import check_same_layout, warn_declined
-from lightning_shardlab.sharding.unit import Registration, TrainingState, Unit, UnitState
+from lightning_shardlab.sharding.unit import TrainingState, Unit, UnitState
 from lightning_shardlab.sharding.usage import UsageAgreement
 
 TRANSPORT_PROBE_NUMEL = 8 * 2**20  # the transports are timed on the biggest flat parameter, up to this size
@@ -63,6 +66,7 @@ class ShardedModel:
         # benchmarks/ only: leave the refresh after an optimizer step in flight until each unit's next
         # forward (weights read between steps are then stale); measures what refresh()'s wait costs
         self._overlap_refresh = False
+        self._by_id: dict[int, nn.Parameter] | None = None  # id(original param) -> master view
 
     @property
     def root(self) -> Unit:
@@ -79,17 +83,51 @@ class ShardedModel:
         ran = self._order or self._last_order
         return [self.root, *ran, *(u for u in self.units[1:] if u not in ran)]
 
-    def at_rest(self, fp: FlatParam) -> list[nn.Parameter]:
-        """The objects the module holds between steps: what ``configure_optimizers`` sees."""
-        return fp.placeholders if self.config.stage is Stage.PARAMETERS else fp.unsharded_params
-
     def master_params_by_id(self) -> dict[int, tuple[str, nn.Parameter, FlatParam]]:
-        """id(at-rest param) -> (name, master view, its flat param)."""
+        """id(original param) -> (name, master view, its flat param)."""
         out = {}
         for fp in self.flat_params:
-            for slot, rest, master in zip(fp.layout.slots, self.at_rest(fp), fp.master_params):
-                out[id(rest)] = (slot.name, master, fp)
+            for slot, param, master in zip(fp.layout.slots, fp.params, fp.master_params):
+                out[id(param)] = (slot.name, master, fp)
         return out
+
+    def masters(self, params: Iterable[Tensor]) -> list[nn.Parameter]:
+        """The master views of ``params`` (original params; a master view stands for itself)."""
+        by_id = self.masters_by_id()
+        return [by_id.get(id(p), p) for p in params]  # type: ignore[misc]
+
+    def masters_by_id(self) -> dict[int, nn.Parameter]:
+        """id(original param) -> its master view."""
+        if self._by_id is None:
+            self._by_id = {id(p): m for fp in self.flat_params for p, m in zip(fp.params, fp.master_params)}
+        return self._by_id
+
+    def flat_params_of(self, params: Iterable[Tensor]) -> set[FlatParam]:
+        """The flat parameters holding ``params`` (original params): what a step over them changes."""
+        owner = {id(p): fp for fp in self.flat_params for p in fp.params}
+        return {owner[id(p)] for p in params if id(p) in owner}
+
+    def sync_names(self) -> None:
+        """Name each parameter as the module registers it now (``torch.nn.utils.prune`` renames ``weight`` to
+        ``weight_orig``; ``prune.remove`` names it back): what state dicts and checkpoints are keyed by. A
+        parameter the module no longer registers (replaced by a parametrization) keeps its last names."""
+        names: dict[int, list[str]] = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        for fp in self.flat_params:
+            slots = tuple(
+                dataclasses.replace(slot, fqns=tuple(names[id(p)]))
+                if names.get(id(p), slot.fqns) != slot.fqns
+                else slot
+                for slot, p in zip(fp.layout.slots, fp.params)
+            )
+            if slots != fp.layout.slots:
+                fp.layout = dataclasses.replace(fp.layout, slots=slots)
+
+    def adopt_replaced(self) -> None:
+        """Take into the shards every parameter ``.data`` that user code replaced (sharding/flat_param.py)."""
+        for fp in self.flat_params:
+            fp.adopt_replaced()
 
     # ---- the events sharding/hooks.py routes here ----
 
@@ -308,6 +346,9 @@ class ShardedModel:
             self.root.wait_gathers()
         else:
             self.wait_gathers()
+        for fp in changed:
+            if fp.aliases:  # tensors user code gave a parameter as .data follow it (FlatParam.mirror_aliases)
+                fp.mirror_aliases()
 
     def gather_full(self, fp: FlatParam, shard: Tensor | None = None) -> Tensor:
         """Collective: the full values of ``fp`` in master precision (1-D, padded_numel), on every rank;
@@ -343,7 +384,7 @@ def shard_model(
     ``comm``: the world's Comm (the groups of ``config.shard_group_size`` are opened here; 'node' is read from
     ``LOCAL_WORLD_SIZE``), or a ``Mesh`` the caller opened. Order: 1. choose units and lay out flat params at
     the shard group's size  2. check all ranks built the same layout  3. broadcast rank 0's initial values
-    4. point the module at placeholders / unsharded params.
+    4. give each parameter its stub (stage 3) or its view of the full buffer (stages 1-2).
     """
     policy = policy or PrecisionPolicy()
     existing = _SHARDED.get(module)
@@ -365,7 +406,13 @@ def shard_model(
     if plan.choice.declined and world.rank == 0:
         warn_declined(module, plan.choice.declined)
     check_same_layout(module, plan.uses, plan.owners, world)
-    flat = {path: [_new_flat_param(layout, config, shard, policy) for layout, _ in g] for path, g in groups.items()}
+    flat = {
+        path: [
+            _new_flat_param(layout, config, shard, policy, [_identity(u.param, shard) for u in group])
+            for layout, group in g
+        ]
+        for path, g in groups.items()
+    }
     biggest = max((fp for fps in flat.values() for fp in fps), key=lambda fp: fp.layout.padded_numel, default=None)
     if biggest is not None:
         numel = min(biggest.layout.padded_numel, TRANSPORT_PROBE_NUMEL)
@@ -378,12 +425,17 @@ def shard_model(
     else:
         for fp, group in pairs:
             load(fp, [u.param for u in group])
+    for fp, group in pairs:  # a parameter made on the meta device is replaced by its identity for the run
+        for param, use in zip(fp.params, group):
+            if param is not use.param:
+                for fqn in use.fqns:
+                    owner, attr = _place(module, fqn)
+                    owner._parameters[attr] = param
     units = [
         Unit(
             path,
             [module.get_submodule(m) for m in plan.choice.modules_of(path)],
             flat[path],
-            [[[_place(module, fqn) for fqn in u.fqns] for u in group] for _, group in groups[path]],
             mesh,
             reshard_at_rest=config.stage is Stage.PARAMETERS,
             module_path=plan.choice.modules_of(path)[0],
@@ -405,7 +457,9 @@ def _per_node(world: Comm) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
 
 
-def _new_flat_param(layout: FlatParamLayout, config: ShardLabConfig, comm: Comm, policy: PrecisionPolicy) -> FlatParam:
+def _new_flat_param(
+    layout: FlatParamLayout, config: ShardLabConfig, comm: Comm, policy: PrecisionPolicy, params: list[nn.Parameter]
+) -> FlatParam:
     return FlatParam(
         layout,
         comm.rank,
@@ -413,7 +467,16 @@ def _new_flat_param(layout: FlatParamLayout, config: ShardLabConfig, comm: Comm,
         resident_full=config.stage is not Stage.PARAMETERS,
         compute_dtype=policy.compute_for(layout.dtype),
         reduce_dtype=policy.reduce_dtype,
+        params=params,
     )
+
+
+def _identity(param: nn.Parameter, comm: Comm) -> nn.Parameter:
+    """The object that stands for ``param`` for the whole run: itself, or (made on the meta device, whose
+    tensors cannot take device data) a new parameter of its shape and flag, holding no memory yet."""
+    if not param.is_meta:
+        return param
+    return nn.Parameter(stub(param.shape, param.dtype, comm.device), param.requires_grad)
 
 
 def _load_from_rank_0(fp: FlatParam, values: list[Tensor], comm: Comm) -> None:
@@ -423,7 +486,7 @@ def _load_from_rank_0(fp: FlatParam, values: list[Tensor], comm: Comm) -> None:
     fp.load(flat)
 
 
-def _place(root: nn.Module, fqn: str) -> Registration:
+def _place(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     path, _, attr = fqn.rpartition(".")
     return root.get_submodule(path), attr
 

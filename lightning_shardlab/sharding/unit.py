@@ -1,9 +1,9 @@
 """One unit's state machines: where its parameters are, and where its gradients are (``Unit``).
 
-A unit owns one flat parameter per (dtype, requires_grad) group of its parameters. ``unshard``
-all-gathers each (inside the shard group) and points the module's attributes at the unsharded params;
-``reshard`` points them back at the placeholders and frees the full buffers (keeping a 1/k slice for backward
-with ``reshard_after_forward=k``). ``reduce_grads`` turns the unsharded params' gradients into this rank's
+A unit owns one flat parameter per (dtype, requires_grad at setup) group of its parameters. ``unshard``
+all-gathers each (inside the shard group) and gives the original params their unsharded views as data;
+``reshard`` gives them their stubs (sharding/placeholders.py) and frees the full buffers (keeping a 1/k slice
+for backward with ``reshard_after_forward=k``). ``reduce_grads`` turns the original params' gradients into this rank's
 averaged grad shard: a reduce-scatter inside the shard group, then, when shard groups are replicas (hybrid
 sharding, comm/mesh.py), an all-reduce of that shard across them. Tensor names: [Note: shardlab tensors] in
 sharding/flat_param.py.
@@ -26,13 +26,11 @@ from lightning_shardlab.sharding.flat_param import FlatParam, storage_is_allocat
 class UnitState(Enum):
     """Where a unit's parameters are: what its module holds, and whether the full buffers hold values."""
 
-    SHARDED = "sharded"  # the module holds placeholders (stage 3 at rest); full buffers freed or in flight
-    REGROUPED = (
-        "regrouped"  # placeholders, full buffers freed, group shards kept for backward (reshard_after_forward=k)
-    )
-    PREFETCHED = "prefetched"  # still placeholders, but the full buffers hold gathered values, ready to use
-    UNSHARDED = "unsharded"  # the module holds the unsharded params, views of the full buffers
-    SUMMONED = "summoned"  # the module holds full master-precision copies for the user (gathered.py)
+    SHARDED = "sharded"  # the params hold stubs (stage 3 at rest); full buffers freed or in flight
+    REGROUPED = "regrouped"  # stubs, full buffers freed, group shards kept for backward (reshard_after_forward=k)
+    PREFETCHED = "prefetched"  # still stubs, but the full buffers hold gathered values, ready to use
+    UNSHARDED = "unsharded"  # the params hold their unsharded views of the full buffers
+    SUMMONED = "summoned"  # the params hold full master-precision copies for the user (gathered.py)
 
 
 class TrainingState(Enum):
@@ -42,9 +40,6 @@ class TrainingState(Enum):
     BACKWARD = "backward"  # between this unit's pre-backward and post-backward
     GRADS_PENDING = "grads pending"  # gradients collected (accumulating across micro-batches), not reduced yet
     REDUCING = "reducing"  # reduce-scatters launched in this backward; shown to the optimizer at its end
-
-
-Registration = tuple[nn.Module, str]  # (module, attribute name) a parameter is registered under
 
 
 class Unit:
@@ -65,7 +60,6 @@ class Unit:
         name: str,
         modules: list[nn.Module],
         flat_params: list[FlatParam],
-        registrations: list[list[list[Registration]]],  # [flat param][slot] -> places
         mesh: Mesh,
         reshard_at_rest: bool,
         module_path: str | None = None,
@@ -79,17 +73,18 @@ class Unit:
         self.forwarded = 0
         self.awaiting_post_backward = 0
         self.flat_params = flat_params
-        self.registrations = registrations
         self.mesh = mesh
         self.comm = mesh.shard  # the all-gathers and reduce-scatters of the flat parameters
         self.rank = mesh.world.rank  # for messages: the rank as the user knows it
         # Stage 3 shards parameters at rest; stages 1-2 keep every unit UNSHARDED for good.
         self.reshard_at_rest = reshard_at_rest
         self.state = UnitState.SHARDED if reshard_at_rest else UnitState.UNSHARDED
-        self._register([fp.placeholders if reshard_at_rest else fp.unsharded_params for fp in flat_params])
+        for fp in flat_params:
+            fp.world_rank = self.rank
+            fp.show_stubs() if reshard_at_rest else fp.show_views()  # stage 3: stubs at rest, even on one rank
         self.training = TrainingState.IDLE
         # [flat param] -> 1-D bool, numel = number of slots: got a gradient since the last reduction
-        self.used = [torch.zeros(len(fp.layout.slots), dtype=torch.bool) for fp in self.grad_flat_params]
+        self.used = [torch.zeros(len(fp.layout.slots), dtype=torch.bool) for fp in self.flat_params]
         self._pending: list[tuple[FlatParam, Tensor, Tensor, Pending]] = []  # (fp, flat grad, new shard, work)
         self._crossing: list[tuple[FlatParam, Tensor, Pending]] = []  # hybrid: (fp, new shard, its all-reduce)
         self._gathering: list[Pending] = []  # all-gathers in flight into the full buffers
@@ -131,17 +126,24 @@ class Unit:
             self._drop_group_shards()  # gathered: the full buffers hold them now
 
     def unshard(self) -> None:
-        """All-gather every flat parameter (unless prefetched) and point the module at the unsharded params."""
+        """All-gather every flat parameter (unless prefetched) and give the params their unsharded views. First,
+        values that user code gave a param as new ``.data`` since (``p.data = ...``, as the lottery-ticket reset
+        of ``ModelPruning`` does) are taken into the shards (``FlatParam.adopt_replaced``)."""
         self.wait_gathers()
+        for fp in self.flat_params:
+            fp.adopt_replaced()
         if self.state not in (UnitState.SHARDED, UnitState.REGROUPED, UnitState.PREFETCHED):
             return
         self.prefetch()
         self.wait_gathers()
-        self._register([fp.unsharded_params for fp in self.flat_params])
+        for fp in self.flat_params:
+            fp.show_views()
+            if fp.aliases:
+                fp.mirror_aliases()
         self.state = UnitState.UNSHARDED
 
     def reshard(self, regroup: bool = False) -> None:
-        """Point the module at the placeholders and free the full buffers (stage 3 only); also drops a
+        """Give the params their stubs and free the full buffers (stage 3 only); also drops a
         prefetch that was not used. ``regroup`` (after a forward that backward follows, with
         ``reshard_after_forward=k``): first keep each flat parameter's group shard, so backward gathers from
         the k ranks of the reshard group."""
@@ -150,7 +152,8 @@ class Unit:
         self.wait_gathers()
         regroup = regroup and self.mesh.regrouped and self.state is UnitState.UNSHARDED
         if self.state is UnitState.UNSHARDED:
-            self._register([fp.placeholders for fp in self.flat_params])
+            for fp in self.flat_params:
+                fp.show_stubs()
         self.state = UnitState.REGROUPED if regroup else UnitState.SHARDED
         if not regroup:
             self._drop_group_shards()
@@ -168,34 +171,18 @@ class Unit:
                 self.comm.ledger.track_gathered(-fp.group_shard.untyped_storage().nbytes())
                 fp.group_shard = None
 
-    def _register(self, params_per_fp: list[list[nn.Parameter]]) -> None:
-        # Writing ``_parameters`` directly swaps the object a name refers to without nn.Module's
-        # __setattr__ bookkeeping; names and their order never change.
-        for places_per_slot, params in zip(self.registrations, params_per_fp):
-            for places, param in zip(places_per_slot, params):
-                for module, attr in places:
-                    module._parameters[attr] = param
-
     # ---- gradients ----
 
     @property
     def grad_flat_params(self) -> list[FlatParam]:
-        return [fp for fp in self.flat_params if fp.layout.requires_grad]
+        """The flat parameters with a parameter that is trainable now (``requires_grad`` is read, never copied:
+        a flag set in a hook or by a callback counts from the next backward on, as under DDP)."""
+        return [fp for fp in self.flat_params if any(p.requires_grad for p in fp.params)]
 
     def collect_usage(self) -> None:
         """Note which parameters got a gradient in this backward (their grads stay where they are)."""
-        for fp in self.flat_params:
-            if fp.layout.requires_grad:
-                continue
-            for slot, param in zip(fp.layout.slots, fp.unsharded_params):
-                if param.grad is not None:
-                    raise RuntimeError(
-                        f"[rank {self.rank}] parameter {slot.name!r} was frozen when the model was sharded"
-                        " but got a gradient. HINT: set requires_grad before trainer.fit(), or keep it trainable"
-                        " and leave it out of the optimizer."
-                    )
-        for fp, used in zip(self.grad_flat_params, self.used):
-            for i, param in enumerate(fp.unsharded_params):
+        for fp, used in zip(self.flat_params, self.used):
+            for i, param in enumerate(fp.params):
                 if param.grad is not None:
                     used[i] = True
         self.training = TrainingState.GRADS_PENDING
@@ -210,7 +197,7 @@ class Unit:
             pending = collectives.reduce_scatter(new_shard, flat, self.comm, label=fp.layout.name, async_op=True)
             self._pending.append((fp, flat, new_shard, pending))
             launched.append((fp, flat))
-            for param in fp.unsharded_params:
+            for param in fp.params:
                 param.grad = None
         self.training = TrainingState.REDUCING
         if not async_op:
@@ -236,8 +223,9 @@ class Unit:
 
     def show_grads(self, used_per_fp: list[Tensor]) -> None:
         """Let the optimizer see the reduced gradients of the parameters that count as used."""
-        for fp, used in zip(self.grad_flat_params, used_per_fp):
-            gradients.show(fp, used)
+        for fp, used in zip(self.flat_params, used_per_fp):
+            if fp.grad_shard is not None:
+                gradients.show(fp, used)
         self.end_reduction()
 
     def end_reduction(self) -> None:
@@ -259,8 +247,8 @@ class Unit:
 
     # ---- full copies for the user (sharding/gathered.py) ----
 
-    def summon(self, params_per_fp: list[list[nn.Parameter]]) -> UnitState:
-        """Point the module at the given full copies; returns the state to go back to (``unsummon``)."""
+    def summon(self, copies_per_fp: list[list[Tensor]]) -> UnitState:
+        """Give the params the given full copies as data; returns the state to go back to (``unsummon``)."""
         busy = self.training is TrainingState.BACKWARD or self._gathering
         if self.state is UnitState.SUMMONED or busy:
             raise RuntimeError(
@@ -270,12 +258,13 @@ class Unit:
         if self.state in (UnitState.PREFETCHED, UnitState.REGROUPED):
             self.reshard()  # a writeback would leave the prefetched values stale: gather again when needed
         previous, self.state = self.state, UnitState.SUMMONED
-        self._register(params_per_fp)
+        for fp, copies in zip(self.flat_params, copies_per_fp):
+            fp.show_copies(copies)
         return previous
 
     def unsummon(self, previous: UnitState) -> None:
+        """Back from the user's copies (a ``.data`` they replaced inside is taken into the copies first)."""
         self._expect(UnitState.SUMMONED, "return the user's full copies of")
         self.state = previous
-        self._register(
-            [fp.unsharded_params if previous is UnitState.UNSHARDED else fp.placeholders for fp in self.flat_params]
-        )
+        for fp in self.flat_params:
+            fp.show_views() if previous is UnitState.UNSHARDED else fp.show_stubs()

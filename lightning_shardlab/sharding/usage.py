@@ -42,7 +42,7 @@ class UsageAgreement:
         )
 
     def result(self) -> list[list[Tensor]]:
-        """Per unit, per grad flat parameter: 1-D bool, one per parameter: counts as having a gradient."""
+        """Per unit, per flat parameter: 1-D bool, one per parameter: counts as having a gradient."""
         local = [used for unit in self.units for used in unit.used]
         if self.pending is None:
             agreed = [torch.ones_like(u) for u in local]
@@ -60,7 +60,8 @@ def _warn_unused(units: Sequence[Unit], rank: int, warned: set[str]) -> None:
     names = [
         slot.name
         for unit in units
-        for fp, used in zip(unit.grad_flat_params, unit.used)
+        for fp, used in zip(unit.flat_params, unit.used)
+        if any(p.requires_grad for p in fp.params)
         for slot, u in zip(fp.layout.slots, used.tolist())
         if not u and slot.name not in warned
     ]

@@ -213,7 +213,9 @@ class ShardLabVitals(L.Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Optimizer) -> None:
         if not (self.activations and self.activations.active):
             return
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        originals = [p for group in optimizer.param_groups for p in group["params"]]
+        shards = self.sharded.masters(originals) if self.sharded is not None else originals
+        grads = [m.grad for m in shards if m.grad is not None]  # this rank's gradient shards
         sq = sum(float(torch.linalg.vector_norm(g.float()) ** 2) for g in grads)
         self._shard_grad_sq = sq if math.isnan(self._shard_grad_sq) else self._shard_grad_sq + sq
         if self._before is None:  # several optimizers: the first one's call sees the weights before any step

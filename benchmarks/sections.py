@@ -1,0 +1,27 @@
+"""RESULTS.md is written by several benchmarks: bench.py owns the file, the others each own a marked section."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# (begin, end) of every section a benchmark other than bench.py writes
+MARKERS = {
+    "defaults_cost": ("<!-- defaults_cost: begin -->", "<!-- defaults_cost: end -->"),
+    "identity_cost": ("<!-- identity_cost: begin -->", "<!-- identity_cost: end -->"),
+}
+
+
+def replace_section(path: Path, name: str, text: str) -> None:
+    """Replace section ``name`` of ``path`` with ``text`` (which carries the markers), or append it."""
+    begin, end = MARKERS[name]
+    old = path.read_text() if path.exists() else ""
+    if begin in old and end in old:
+        old = old[: old.index(begin)].rstrip() + old[old.index(end) + len(end) :]
+    path.write_text(old.rstrip() + "\n\n" + text + "\n")
+
+
+def kept_sections(path: Path) -> str:
+    """Every marked section of ``path``, for bench.py to keep when it rewrites the rest."""
+    text = path.read_text() if path.exists() else ""
+    kept = [text[text.index(b) : text.index(e) + len(e)] for b, e in MARKERS.values() if b in text and e in text]
+    return "".join("\n" + k + "\n" for k in kept)
