@@ -133,7 +133,7 @@ def _compare(results: list[dict], references: dict, world_size: int) -> None:
         mode, stage = key
         where = f"{mode}, stage {stage}, {world_size} ranks"
         ref = references[mode]
-        assert got["checks"] == STEPS_PER_EPOCH * EPOCHS, where
+        assert got["checks"] == 2 * STEPS_PER_EPOCH * EPOCHS, where  # in each training_step, after each step
         assert all(r[key]["same_objects"] for r in results), f"parameter objects changed: {where}"
         assert_close(got["losses"], ref["losses"], **FP32, msg=lambda m, w=where: f"losses: {w}\n{m}")
         state = got["state"]

@@ -145,6 +145,8 @@ def check_elementwise(optimizer: Optimizer, extra: tuple[str, ...] = ()) -> None
 
 def shard_optimizer(optimizer: Optimizer, sharded: ShardedModel) -> None:
     """Make ``optimizer`` step this rank's master shards (every rank, same param groups), in place."""
+    if getattr(optimizer, "_shardlab_sharded", None) is sharded:
+        return  # set up already (Fabric's setup_optimizers after setup)
     check_elementwise(optimizer, sharded.config.elementwise_optimizers)
     if optimizer.state:
         raise ValueError(

@@ -61,9 +61,8 @@ def _warn_unused(units: Sequence[Unit], rank: int, warned: set[str]) -> None:
         slot.name
         for unit in units
         for fp, used in zip(unit.flat_params, unit.used)
-        if any(p.requires_grad for p in fp.params)
-        for slot, u in zip(fp.layout.slots, used.tolist())
-        if not u and slot.name not in warned
+        for slot, param, u in zip(fp.layout.slots, fp.params, used.tolist())
+        if param.requires_grad and not u and slot.name not in warned
     ]
     if names:
         warned.update(names)

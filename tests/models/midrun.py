@@ -20,7 +20,8 @@ MODES = ("freeze", "finetune", "prune", "weight_norm")
 class MidRunNet(L.LightningModule):
     """A stem, a ``backbone`` of two blocks (odd widths) and a head; every parameter in one AdamW with weight
     decay (``finetune``: the trainable ones, the backbone joins later). Records the local loss each step and
-    checks, inside ``training_step``, that the optimizer holds exactly the module's parameter objects."""
+    checks, inside ``training_step`` and between steps, that the optimizer holds exactly the module's parameter
+    objects, with their real shapes."""
 
     def __init__(self, mode: str) -> None:
         super().__init__()
@@ -36,6 +37,9 @@ class MidRunNet(L.LightningModule):
     def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
         if self.mode == "freeze":  # frozen for the first three steps, then trained again
             self.backbone.requires_grad_(self.global_step >= 3)
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        self._check_identity()  # between steps, too
 
     def on_train_epoch_start(self) -> None:
         if self.mode == "weight_norm" and self.current_epoch == 1:
