@@ -35,8 +35,10 @@ class MidRunNet(L.LightningModule):
         self.retired: Tensor | None = None
 
     def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
-        if self.mode == "freeze":  # frozen for the first three steps, then trained again
-            self.backbone.requires_grad_(self.global_step >= 3)
+        if self.mode == "freeze":  # frozen for the first three steps, then trained again: the first block, and
+            # half of the second (its other half stays trainable: the two share a flat parameter)
+            self.backbone[0].requires_grad_(self.global_step >= 3)
+            self.backbone[1].l1.requires_grad_(self.global_step >= 3)
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
         self._check_identity()  # between steps, too
