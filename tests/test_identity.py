@@ -12,14 +12,16 @@ is then never averaged across ranks (each rank trains it on its own gradient).
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from rich.console import Console
 from torch.testing import assert_close
 
-from lightning_shardlab import ShardLabStrategy
+from lightning_shardlab import ShardLabBudget, ShardLabStrategy
 from tests.helpers.launch import run_ranks
 from tests.helpers.reference import FP32
 from tests.models import OrderedData
@@ -68,14 +70,18 @@ def midrun_fits(world_size: int, stages: list[int], modes: list[str], offload_di
         torch.manual_seed(0)
         model = MidRunNet(mode)
         before = {id(p) for p in model.parameters()}
-        trainer = _trainer(ShardLabStrategy(stage=int(str(stage)[0]), **options), world_size, mode)
+        budget = ShardLabBudget(console=Console(file=io.StringIO()))  # its tables are not this test's
+        extra = {"callbacks": [*callbacks(mode), budget], "default_root_dir": offload_dir} if offload_dir else {}
+        trainer = _trainer(ShardLabStrategy(stage=int(str(stage)[0]), **options), world_size, mode, **extra)
         trainer.fit(model, _data(world_size))
         losses = trainer.strategy.reduce(torch.stack(model.losses), reduce_op="mean")
+        report = budget.reports[trainer.global_rank] if budget.reports else {}
         out[(mode, stage)] = {
             "losses": losses,
             "state": trainer.strategy.full_state_dict(),
             "same_objects": before <= model.ids if mode == "weight_norm" else model.ids == before,
             "checks": model.identity_checks,
+            "memory": (report.get("memory_measured"), report.get("memory_predicted")),
         }
     return out
 
@@ -135,6 +141,9 @@ def _compare(results: list[dict], references: dict, world_size: int) -> None:
         ref = references[mode]
         assert got["checks"] == 2 * STEPS_PER_EPOCH * EPOCHS, where  # in each training_step, after each step
         assert all(r[key]["same_objects"] for r in results), f"parameter objects changed: {where}"
+        for rank, r in enumerate(results):  # the budget after the change: measured = predicted, byte for byte
+            measured, predicted = r[key]["memory"]
+            assert measured is not None and measured == predicted, f"budget, rank {rank}: {where}"
         assert_close(got["losses"], ref["losses"], **FP32, msg=lambda m, w=where: f"losses: {w}\n{m}")
         state = got["state"]
         assert list(state) == list(ref["state"]), f"keys: {where}"

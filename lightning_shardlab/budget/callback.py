@@ -251,7 +251,7 @@ class ShardLabBudget(L.Callback):
         training, step_seconds = self._training_traffic(sharded.comm.ledger), self.step_seconds
         if self._warmed_up and run.step == self._first_step:  # the warm-up was the only step
             training, step_seconds = self._warm_up
-        layouts = [fp.layout for fp in sharded.flat_params]
+        layouts = sharded.trained_layouts()  # a backbone unfrozen mid-run holds gradients and state now
         units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.forward_order}  # as they ran
         optimizer = OptimizerShape.of(run.optimizers[0]) if run.optimizers else None
         mesh = sharded.mesh

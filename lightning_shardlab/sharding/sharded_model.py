@@ -107,6 +107,20 @@ class ShardedModel:
         owner = {id(p): fp for fp in self.flat_params for p in fp.params}
         return {owner[id(p)] for p in params if id(p) in owner}
 
+    def trained_layouts(self) -> list[FlatParamLayout]:
+        """Each flat parameter's layout, marked trainable when it trains now (a parameter requires grad) or did (it
+        holds a gradient shard): what gradient and optimizer-state bytes follow once training code froze or
+        unfroze parameters mid-run (the layouts themselves keep the flags at setup, which grouped them)."""
+        out = []
+        for fp in self.flat_params:
+            trained = fp.grad_shard is not None or any(p.requires_grad for p in fp.params)
+            out.append(
+                fp.layout
+                if trained == fp.layout.requires_grad
+                else dataclasses.replace(fp.layout, requires_grad=trained)
+            )
+        return out
+
     def sync_names(self) -> None:
         """Name each parameter as the module registers it now (``torch.nn.utils.prune`` renames ``weight`` to
         ``weight_orig``; ``prune.remove`` names it back): what state dicts and checkpoints are keyed by. A
