@@ -17,8 +17,9 @@ from lightning_shardlab.ema import ShardLabEMA
 from lightning_shardlab.guard.callback import ShardLabSanity
 from lightning_shardlab.guard.guard import SanityConfig, SanityGuard
 from lightning_shardlab.precision import ShardLabPrecision
+from lightning_shardlab.sharding.build import shard_model
 from lightning_shardlab.sharding.optimizer import shard_optimizer
-from lightning_shardlab.sharding.sharded_model import ShardedModel, shard_model
+from lightning_shardlab.sharding.sharded_model import ShardedModel
 from lightning_shardlab.strategy import ShardLabStrategy
 from lightning_shardlab.vitals.callback import ShardLabVitals
 

@@ -33,10 +33,11 @@ from lightning_shardlab.distributed import OPTIONS_DOC, ShardLabDistributed, che
 from lightning_shardlab.guard.callback import ShardLabSanity
 from lightning_shardlab.lightning_callbacks import gather_for_weight_readers, restore_param_groups
 from lightning_shardlab.precision import ShardLabPrecision, shardlab_precision
+from lightning_shardlab.sharding.build import shard_model
 from lightning_shardlab.sharding.gathered import Modules, gathered_params
 from lightning_shardlab.sharding.materialize import has_meta
 from lightning_shardlab.sharding.optimizer import global_grad_norm, shard_optimizer
-from lightning_shardlab.sharding.sharded_model import ShardedModel, shard_model
+from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 
 def refuse_unsharded_callbacks(callbacks: list[Any]) -> None:

@@ -151,52 +151,47 @@ def _compare(results: list[dict], references: dict, world_size: int) -> None:
             assert_close(state[name], value, **FP32, msg=lambda m, w=where, n=name: f"{n}: {w}\n{m}")
 
 
-@pytest.fixture(scope="module")
-def references() -> dict:
-    return {mode: reference(mode) for mode in MODES}
+def world_of_two(directory: str) -> dict:
+    """2 ranks: every mid-run change at every stage; finetuning saved after its unfreeze (resumed at 4 ranks);
+    last, a parametrization that reads sharded weights (refused: the run ends there)."""
+    fits = midrun_fits(2, [1, 2, 3], list(MODES), offload_dir=directory)
+    finetune_and_save(2, [1, 2, 3], directory)
+    return {"fits": fits, "refused": ungathered_weight_norm_at_stage_3(2)}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_midrun_changes_match_the_unsharded_run_at_every_stage(
-    world_size: int, references: dict, tmp_path: Path
-) -> None:
-    results = run_ranks(
-        "tests.test_identity:midrun_fits",
-        world_size,
-        {"world_size": world_size, "stages": [1, 2, 3], "modes": list(MODES), "offload_dir": str(tmp_path)},
-        timeout=900,
-    )
+def world_of_four(directory: str) -> dict:
+    """4 ranks: every mid-run change at every stage; the 2-rank finetuning checkpoints resumed."""
+    return {
+        "fits": midrun_fits(4, [1, 2, 3], list(MODES), offload_dir=directory),
+        **finetune_resumed(4, [1, 2, 3], directory),
+    }
+
+
+def test_midrun_changes_match_the_unsharded_run_at_every_stage_on_2_and_4_ranks(tmp_path: Path) -> None:
+    references = {mode: reference(mode) for mode in MODES}
+    finetune_and_save(1, [0], str(tmp_path), strategy=False)  # the unsharded run's own save, after the unfreeze
+    expected = finetune_resumed(1, [0], str(tmp_path), strategy=False)  # ... and resume
+    two = run_ranks("tests.test_identity:world_of_two", 2, {"directory": str(tmp_path)}, timeout=900)
+    four = run_ranks("tests.test_identity:world_of_four", 4, {"directory": str(tmp_path)}, timeout=900)
     runs = [(m, s) for m in MODES for s in (1, 2, 3)] + [("finetune", "3+disk")]
-    assert sorted(results[0], key=str) == sorted(runs, key=str)
-    _compare(results, references, world_size)
+    for world, results in ((2, two), (4, four)):
+        assert sorted(results[0]["fits"], key=str) == sorted(runs, key=str), world
+        _compare([r["fits"] for r in results], references, world)
     pruned = references["prune"]["state"]["head.weight"]
     assert (pruned == 0).any(), "the pruning scenario pruned nothing: it would not test anything"
-
-
-def test_finetuning_resumes_from_a_checkpoint_saved_after_the_unfreeze_at_another_world_size(tmp_path: Path) -> None:
-    """Saved at 2 ranks after BackboneFinetuning added the backbone's param group, resumed at 4: the final weights
-    equal the unsharded run's resume of its own checkpoint (both restore the two param groups by name)."""
-    finetune_and_save(1, [0], str(tmp_path), strategy=False)
-    expected = finetune_resumed(1, [0], str(tmp_path), strategy=False)
-    run_ranks(
-        "tests.test_identity:finetune_and_save", 2, {"world_size": 2, "stages": [1, 2, 3], "directory": str(tmp_path)}
-    )
-    resumed = run_ranks(
-        "tests.test_identity:finetune_resumed", 4, {"world_size": 4, "stages": [1, 2, 3], "directory": str(tmp_path)}
-    )[0]
+    # BackboneFinetuning saved at 2 ranks after it added the backbone's group, resumed at 4 from another
+    # initialisation: the two groups come back by name, and the weights end on the unsharded resume's
     assert expected[0, "groups"] == [4, 8]  # the stem's and head's parameters, then the backbone's
+    resumed = four[0]
     for stage in (1, 2, 3):
         assert resumed[stage, "groups"] == expected[0, "groups"], stage
         assert list(resumed[stage]) == list(expected[0]), stage
         for name, value in expected[0].items():
             assert_close(resumed[stage][name], value, **FP32, msg=lambda m, s=stage, n=name: f"{n}, stage {s}\n{m}")
-
-
-def test_a_parametrization_that_reads_sharded_weights_is_refused_naming_the_parameter() -> None:
-    messages = run_ranks("tests.test_identity:ungathered_weight_norm_at_stage_3", 2, {"world_size": 2}, timeout=300)
-    for rank, message in enumerate(messages):
-        assert f"[rank {rank}] parameter 'head.weight'" in message, message
-        assert "gathered_params" in message and "shardlab_stage_2" in message, message
+    # a parametrization registered at stage 3 outside gathered_params reads the weight: refused on every rank
+    for rank, result in enumerate(two):
+        assert f"[rank {rank}] parameter 'head.weight'" in result["refused"], result["refused"]
+        assert "gathered_params" in result["refused"] and "shardlab_stage_2" in result["refused"], result["refused"]
 
 
 def test_reading_a_parameter_at_rest_fails_loudly_but_its_shape_answers(tmp_path: Path) -> None:

@@ -44,10 +44,11 @@ from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.config import Accumulation
 from lightning_shardlab.distributed import OPTIONS_DOC, ShardLabDistributed, check_option_names, options_to_configs
 from lightning_shardlab.fabric.precision import ShardLabFabricPrecision, fabric_precision
+from lightning_shardlab.sharding.build import shard_model
 from lightning_shardlab.sharding.gathered import Modules, gathered_params
 from lightning_shardlab.sharding.materialize import has_meta
 from lightning_shardlab.sharding.optimizer import shard_optimizer
-from lightning_shardlab.sharding.sharded_model import ShardedModel, shard_model
+from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 
 class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
