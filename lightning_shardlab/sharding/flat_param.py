@@ -287,6 +287,8 @@ class FlatParam:
     def show_views(self) -> None:
         """The original params compute with the full buffer (their unit is gathered)."""
         self._show(self.views, at_rest=False)
+        if self.aliases:
+            self.mirror_aliases()
 
     def show_stubs(self) -> None:
         """Stage 3, the unit sharded: the original params keep their shape, and refuse their values."""

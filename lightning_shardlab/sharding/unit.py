@@ -130,16 +130,14 @@ class Unit:
         values that user code gave a param as new ``.data`` since (``p.data = ...``, as the lottery-ticket reset
         of ``ModelPruning`` does) are taken into the shards (``FlatParam.adopt_replaced``)."""
         self.wait_gathers()
-        for fp in self.flat_params:
-            fp.adopt_replaced()
         if self.state not in (UnitState.SHARDED, UnitState.REGROUPED, UnitState.PREFETCHED):
+            for fp in self.flat_params:  # gathered already (stages 1-2: for good), the views stay
+                fp.adopt_replaced()
             return
         self.prefetch()
         self.wait_gathers()
         for fp in self.flat_params:
-            fp.show_views()
-            if fp.aliases:
-                fp.mirror_aliases()
+            fp.show_views()  # adopts replaced data first
         self.state = UnitState.UNSHARDED
 
     def reshard(self, regroup: bool = False) -> None:
