@@ -118,14 +118,12 @@ class ShardedModel:
         """Name each parameter as the module registers it now (``torch.nn.utils.prune`` renames ``weight`` to
         ``weight_orig``; ``prune.remove`` names it back): what state dicts and checkpoints are keyed by. A
         parameter the module no longer registers (replaced by a parametrization) keeps its last names."""
-        names: dict[int, list[str]] = {}
+        names: dict[int, tuple[str, ...]] = {}
         for name, param in self.module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).append(name)
+            names[id(param)] = (*names.get(id(param), ()), name)
         for fp in self.flat_params:
             slots = tuple(
-                dataclasses.replace(slot, fqns=tuple(names[id(p)]))
-                if names.get(id(p), slot.fqns) != slot.fqns
-                else slot
+                dataclasses.replace(slot, fqns=names[id(p)]) if names.get(id(p), slot.fqns) != slot.fqns else slot
                 for slot, p in zip(fp.layout.slots, fp.params)
             )
             if slots != fp.layout.slots:
