@@ -13,6 +13,7 @@ is then never averaged across ranks (each rank trains it on its own gradient).
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import lightning as L
@@ -32,7 +33,7 @@ GLOBAL_BATCH, STEPS_PER_EPOCH, EPOCHS = 8, 3, 3
 
 def _trainer(strategy: object, devices: int, mode: str, **kwargs: object) -> L.Trainer:
     options = {
-        "accelerator": "cpu",
+        "accelerator": os.environ.get("SHARDLAB_TEST_ACCELERATOR", "cpu"),
         "devices": devices,
         "strategy": strategy,
         "max_epochs": EPOCHS,
@@ -56,25 +57,25 @@ def reference(mode: str) -> dict:
     torch.manual_seed(0)
     model = MidRunNet(mode)
     _trainer("auto", 1, mode).fit(model, _data(1))
-    return {"losses": torch.stack(model.losses), "state": model.state_dict()}
+    return {"losses": torch.stack(model.losses).cpu(), "state": {k: v.cpu() for k, v in model.state_dict().items()}}
 
 
-def midrun_fits(world_size: int, stages: list[int], modes: list[str], offload_dir: str | None = None) -> dict:
-    """Every rank: each mode at each stage (and, with ``offload_dir``, finetuning at stage 3 with its state on
-    disk); the mean loss per step, rank 0's full state dict, identity facts."""
+def midrun_fits(world_size: int, stages: list[int], modes: list[str], directory: str, offload: bool = True) -> dict:
+    """Every rank: each mode at each stage (and, with ``offload``, finetuning at stage 3 with its state on disk
+    in ``directory``); the mean loss per step, rank 0's full state dict, identity facts, the budget's memory."""
     runs = [(mode, stage, {}) for mode in modes for stage in stages]
-    if offload_dir is not None:
-        runs.append(("finetune", "3+disk", {"offload": "disk", "offload_dir": offload_dir}))
+    if offload:
+        runs.append(("finetune", "3+disk", {"offload": "disk", "offload_dir": directory}))
     out = {}
     for mode, stage, options in runs:
         torch.manual_seed(0)
         model = MidRunNet(mode)
         before = {id(p) for p in model.parameters()}
         budget = ShardLabBudget(console=Console(file=io.StringIO()))  # its tables are not this test's
-        extra = {"callbacks": [*callbacks(mode), budget], "default_root_dir": offload_dir} if offload_dir else {}
+        extra = {"callbacks": [*callbacks(mode), budget], "default_root_dir": directory}
         trainer = _trainer(ShardLabStrategy(stage=int(str(stage)[0]), **options), world_size, mode, **extra)
         trainer.fit(model, _data(world_size))
-        losses = trainer.strategy.reduce(torch.stack(model.losses), reduce_op="mean")
+        losses = trainer.strategy.reduce(torch.stack(model.losses), reduce_op="mean").cpu()
         report = budget.reports[trainer.global_rank] if budget.reports else {}
         out[(mode, stage)] = {
             "losses": losses,
@@ -154,7 +155,7 @@ def _compare(results: list[dict], references: dict, world_size: int) -> None:
 def world_of_two(directory: str) -> dict:
     """2 ranks: every mid-run change at every stage; finetuning saved after its unfreeze (resumed at 4 ranks);
     last, a parametrization that reads sharded weights (refused: the run ends there)."""
-    fits = midrun_fits(2, [1, 2, 3], list(MODES), offload_dir=directory)
+    fits = midrun_fits(2, [1, 2, 3], list(MODES), directory)
     finetune_and_save(2, [1, 2, 3], directory)
     return {"fits": fits, "refused": ungathered_weight_norm_at_stage_3(2)}
 
@@ -162,7 +163,7 @@ def world_of_two(directory: str) -> dict:
 def world_of_four(directory: str) -> dict:
     """4 ranks: every mid-run change at every stage; the 2-rank finetuning checkpoints resumed."""
     return {
-        "fits": midrun_fits(4, [1, 2, 3], list(MODES), offload_dir=directory),
+        "fits": midrun_fits(4, [1, 2, 3], list(MODES), directory),
         **finetune_resumed(4, [1, 2, 3], directory),
     }
 
@@ -192,6 +193,19 @@ def test_midrun_changes_match_the_unsharded_run_at_every_stage_on_2_and_4_ranks(
     for rank, result in enumerate(two):
         assert f"[rank {rank}] parameter 'head.weight'" in result["refused"], result["refused"]
         assert "gathered_params" in result["refused"] and "shardlab_stage_2" in result["refused"], result["refused"]
+
+
+def cuda_midrun(directory: str) -> dict:
+    """One rank on one GPU: every mid-run change at every stage, and the unsharded run on the same GPU."""
+    os.environ["SHARDLAB_TEST_ACCELERATOR"] = "cuda"
+    fits = midrun_fits(1, [1, 2, 3], list(MODES), directory, offload=False)
+    return {"fits": fits, "references": {m: reference(m) for m in MODES}}
+
+
+@pytest.mark.gpu
+def test_midrun_changes_on_a_gpu_match_the_unsharded_run_on_it(tmp_path: Path) -> None:
+    (out,) = run_ranks("tests.test_identity:cuda_midrun", 1, {"directory": str(tmp_path)}, timeout=600)
+    _compare([out["fits"]], out["references"], 1)
 
 
 def test_reading_a_parameter_at_rest_fails_loudly_but_its_shape_answers(tmp_path: Path) -> None:
