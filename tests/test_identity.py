@@ -157,7 +157,8 @@ def world_of_two(directory: str) -> dict:
     last, a parametrization that reads sharded weights (refused: the run ends there)."""
     fits = midrun_fits(2, [1, 2, 3], list(MODES), directory)
     finetune_and_save(2, [1, 2, 3], directory)
-    return {"fits": fits, "refused": ungathered_weight_norm_at_stage_3(2)}
+    fabric = fabric_midrun([1, 2, 3])  # Fabric's front door, in the same world
+    return {"fits": fits, "fabric": fabric, "refused": ungathered_weight_norm_at_stage_3(2)}
 
 
 def world_of_four(directory: str) -> dict:
@@ -189,6 +190,7 @@ def test_midrun_changes_match_the_unsharded_run_at_every_stage_on_2_and_4_ranks(
         assert list(resumed[stage]) == list(expected[0]), stage
         for name, value in expected[0].items():
             assert_close(resumed[stage][name], value, **FP32, msg=lambda m, s=stage, n=name: f"{n}, stage {s}\n{m}")
+    _check_fabric(two)
     # a parametrization registered at stage 3 outside gathered_params reads the weight: refused on every rank
     for rank, result in enumerate(two):
         assert f"[rank {rank}] parameter 'head.weight'" in result["refused"], result["refused"]
@@ -289,9 +291,10 @@ def fabric_midrun(stages: list[int]) -> dict:
     return out
 
 
-def test_fabric_freezes_unfreezes_and_adds_a_param_group_like_one_process() -> None:
+def _check_fabric(ranks: list[dict]) -> None:
+    """Fabric at stages 1-3 (run in the 2-rank world): freezing, unfreezing and add_param_group like one process."""
     expected = fabric_reference()
-    results = run_ranks("tests.test_identity:fabric_midrun", 2, {"stages": [1, 2, 3]}, timeout=300)
+    results = [r["fabric"] for r in ranks]
     for stage, got in results[0].items():
         assert all(r[stage]["identity"] for r in results), stage
         assert_close(got["losses"], expected["losses"], **FP32, msg=lambda m, s=stage: f"losses, stage {s}\n{m}")
