@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from benchmarks.ranks import free_port
 from lightning_shardlab import Comm, ShardLabConfig, shard_model, shard_optimizer
 from lightning_shardlab.comm import collectives
-from lightning_shardlab.comm.collectives import CollectiveObserver
+from lightning_shardlab.comm.call import CollectiveObserver
 from lightning_shardlab.examples.gpt import GPT
-from lightning_shardlab.guard.guard import SanityConfig, SanityGuard
+from lightning_shardlab.guard.sanity_guard import SanityConfig, SanityGuard
 
 FULL = dict(vocab_size=256, block_size=128, n_layer=8, n_head=6, n_embd=384)  # nanoGPT's shape: 14.3M parameters
 QUICK = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)

@@ -10,17 +10,17 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_shardlab import fabric
 from lightning_shardlab.budget.callback import ShardLabBudget
-from lightning_shardlab.checkpoint.files import CheckpointError
+from lightning_shardlab.checkpoint.atomic import CheckpointError
 from lightning_shardlab.comm.collectives import Comm
-from lightning_shardlab.config import Accumulation, ShardLabConfig, Stage
-from lightning_shardlab.ema import ShardLabEMA
+from lightning_shardlab.core.config import Accumulation, ShardLabConfig, Stage
 from lightning_shardlab.guard.callback import ShardLabSanity
-from lightning_shardlab.guard.guard import SanityConfig, SanityGuard
-from lightning_shardlab.precision import ShardLabPrecision
+from lightning_shardlab.guard.sanity_guard import SanityConfig, SanityGuard
 from lightning_shardlab.sharding.build import shard_model
 from lightning_shardlab.sharding.optimizer import shard_optimizer
 from lightning_shardlab.sharding.sharded_model import ShardedModel
-from lightning_shardlab.strategy import ShardLabStrategy
+from lightning_shardlab.trainer.ema import ShardLabEMA
+from lightning_shardlab.trainer.precision import ShardLabPrecision
+from lightning_shardlab.trainer.strategy import ShardLabStrategy
 from lightning_shardlab.vitals.callback import ShardLabVitals
 
 ShardLabStrategy.register_strategies(StrategyRegistry)

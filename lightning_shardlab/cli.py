@@ -33,7 +33,7 @@ import lightning_shardlab  # noqa: F401  (registers "shardlab", "shardlab_stage_
 
 TOOLS = {  # subcommand -> (module whose main(argv) runs it, what it does)
     "plan": (
-        "lightning_shardlab.budget.plan",
+        "lightning_shardlab.budget.plan_command",
         "the budget before the hardware: bytes per rank, traffic and time per step",
     ),
     "consolidate": (
@@ -45,7 +45,7 @@ TOOLS = {  # subcommand -> (module whose main(argv) runs it, what it does)
         "a checkpoint -> safetensors in the Hugging Face layout (from_pretrained loads it), streamed",
     ),
     "inspect": (
-        "lightning_shardlab.checkpoint.inspect",
+        "lightning_shardlab.checkpoint.describe",
         "describe a checkpoint: complete or not, world size, stage, units, bytes per rank",
     ),
 }

@@ -14,6 +14,8 @@ from lightning_shardlab import Comm, ShardLabConfig, ShardLabStrategy, shard_mod
 from tests.helpers.launch import run_ranks
 from tests.models import OddNet, OrderedData, TinyGPT, token_dataset
 
+pytestmark = pytest.mark.quick  # the smoke tier (bash scripts/test.sh --quick)
+
 
 @pytest.mark.parametrize(
     ("kwargs", "names"),
@@ -33,7 +35,7 @@ from tests.models import OddNet, OrderedData, TinyGPT, token_dataset
         ({"shard_group_size": 0}, ["shard_group_size", "'node'"]),
         ({"shard_group_size": "rack"}, ["shard_group_size"]),
         ({"unit_bucket_params": -1}, ["unit_bucket_params"]),
-        ({"elementwise_optimizers": "torch.optim.SGD"}, ["elementwise_optimizers", "list"]),
+        ({"elementwise_optimizers": 5}, ["elementwise_optimizers", "list"]),
         ({"timeout_s": 0}, ["timeout_s"]),
         ({"offload": "nvme"}, ["offload", "'none', 'cpu', 'disk', 'auto'"]),
         ({"async_save": "yes"}, ["async_save", "True or False"]),
@@ -54,7 +56,25 @@ def test_valid_options_are_settled_once() -> None:
     )
     assert int(strategy.config.stage) == 2 and strategy.config.accumulation.value == "defer"
     assert strategy.config.gradient_clip_norm_type == float("inf")
-    assert strategy.config.unit_types == (nn.TransformerEncoderLayer,)
+    assert strategy.config.unit_classes == (nn.TransformerEncoderLayer,)
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        (nn.TransformerEncoderLayer, (nn.TransformerEncoderLayer,)),
+        ([nn.TransformerEncoderLayer, "torch.nn.Linear"], (nn.TransformerEncoderLayer, nn.Linear)),
+        ({nn.Linear}, (nn.Linear,)),
+        ("torch.nn.Linear", (nn.Linear,)),
+    ],
+)
+def test_unit_classes_take_classes_import_paths_and_mixes(given: object, expected: tuple) -> None:
+    # Lightning's FSDP takes auto_wrap_policy={Block}; a YAML config names import paths
+    assert ShardLabStrategy(unit_classes=given).config.unit_classes == expected
+    optimizers = ShardLabStrategy(elementwise_optimizers=[torch.optim.Adam, "torch.optim.SGD"]).config
+    assert optimizers.elementwise_optimizers == (torch.optim.Adam, torch.optim.SGD)
+    with pytest.raises(ValueError, match="unit_classes.*torch.optim.SGD.*not a torch.nn.Module"):
+        ShardLabStrategy(unit_classes=[nn.Linear, torch.optim.SGD])
 
 
 def test_unsupported_precision_is_refused_at_trainer_construction() -> None:
@@ -179,7 +199,7 @@ def test_offload_dir_without_room_for_the_layout_is_refused_on_every_rank_before
 def test_a_full_disk_while_making_an_offload_file_names_the_directory_and_the_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lightning_shardlab.offload.files import FileTier, OffloadSpaceError
+    from lightning_shardlab.offload.mapped_files import FileTier, OffloadSpaceError
 
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(28, "No space left on device")
@@ -210,8 +230,8 @@ def test_async_save_is_refused_where_no_point_completes_it() -> None:
 
 def test_export_refuses_bad_input_naming_the_option_or_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """``shardlab export``: each mistake is an error naming what is wrong, and nothing is written."""
+    from lightning_shardlab.checkpoint.atomic import CheckpointError
     from lightning_shardlab.checkpoint.export import export, main
-    from lightning_shardlab.checkpoint.files import CheckpointError
 
     full = tmp_path / "full.ckpt"
     torch.save({"state_dict": {"model.w": torch.ones(2)}}, full)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,8 +17,8 @@ import torch.distributed as dist
 from lightning_shardlab import ShardLabBudget, ShardLabStrategy
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, measure_memory
 from lightning_shardlab.budget.plan import INTERCONNECTS, plan_model
-from lightning_shardlab.budget.plan import main as plan_main
-from lightning_shardlab.config import ShardLabConfig, Stage
+from lightning_shardlab.budget.plan_command import main as plan_main
+from lightning_shardlab.core.config import ShardLabConfig, Stage
 from tests.helpers.counting import live_cpu_bytes
 from tests.helpers.launch import run_ranks
 from tests.models import OrderedData, TinyGPT, token_dataset
@@ -60,6 +62,13 @@ class IndependentCounts(L.Callback):
 
 
 def budget_run(world_size: int, stage: int, out: str, steps: int = 6, **options: Any) -> dict:
+    result, sharded = _budget_fit(world_size, stage, out, steps, **options)
+    gc.collect()
+    result["freed"] = sharded() is None  # nothing keeps a finished run's model alive (a process fits again)
+    return result
+
+
+def _budget_fit(world_size: int, stage: int, out: str, steps: int, **options: Any) -> tuple[dict, weakref.ref]:
     torch.manual_seed(0)
     data = token_dataset(6 * 2 * world_size, vocab=61, block_size=8)
     counts = IndependentCounts(exclude=list(data.tensors))
@@ -83,7 +92,8 @@ def budget_run(world_size: int, stage: int, out: str, steps: int = 6, **options:
     trainer.fit(TinyGPT(**GPT), OrderedData(data, 2))
     trainer.strategy.barrier()  # rank 0 writes the file
     report = json.loads((Path(out) / "shardlab_budget.json").read_text())[trainer.global_rank]
-    return {"report": report, "wrapped_bytes": dict(counts.bytes), "live": counts.live, "ledger": counts.ledger}
+    result = {"report": report, "wrapped_bytes": dict(counts.bytes), "live": counts.live, "ledger": counts.ledger}
+    return result, weakref.ref(trainer.strategy.sharded)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -93,6 +103,7 @@ def test_ledger_equals_independent_counts_and_its_predictions(stage: int, tmp_pa
     ):
         report = result["report"]
         steps = report["optimizer_steps"]
+        assert result["freed"]  # the finished run's sharded model died with it (a process that fits again)
         # memory: the ledger's model state is what is alive in the process (Lightning's few scalars aside)
         for live, ledger in zip(result["live"], result["ledger"]):
             assert ledger <= live <= ledger + 4096, (live, ledger)

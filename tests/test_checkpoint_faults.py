@@ -10,15 +10,16 @@ import os
 import shutil
 import signal
 from pathlib import Path
+from unittest import mock
 
 import lightning as L
 import pytest
 import torch
 
-import lightning_shardlab.checkpoint.sharded as checkpoint_sharded
+import lightning_shardlab.checkpoint.sharded_save as checkpoint_sharded
 from lightning_shardlab import ShardLabStrategy
-from lightning_shardlab.checkpoint.files import CheckpointError, leftovers
-from lightning_shardlab.checkpoint.inspect import describe
+from lightning_shardlab.checkpoint.atomic import CheckpointError, leftovers
+from lightning_shardlab.checkpoint.describe import describe
 from tests.helpers.launch import RankFailed, run_ranks
 from tests.models import OrderedData, TinyGPT, token_dataset
 from tests.test_checkpoint import QUIET, differences, snapshot
@@ -88,9 +89,9 @@ def resume_and_refuse(tmp: str, variants: list[str]) -> dict:
     def no_space(obj: dict, path: Path) -> dict:
         raise OSError(28, "No space left on device", str(path))
 
-    if resumed_trainer.global_rank == 1:
-        checkpoint_sharded.write_torch = no_space
-    refused["rank_1_cannot_write"] = _refusal(lambda: resumed_trainer.save_checkpoint(tmp_dir / "ckpt"))
+    fill = no_space if resumed_trainer.global_rank == 1 else checkpoint_sharded.write_torch
+    with mock.patch.object(checkpoint_sharded, "write_torch", fill):  # undone after: the process serves more tests
+        refused["rank_1_cannot_write"] = _refusal(lambda: resumed_trainer.save_checkpoint(tmp_dir / "ckpt"))
     return {"differences": differences(straight, resumed), "refused": refused}
 
 

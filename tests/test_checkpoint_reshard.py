@@ -27,7 +27,7 @@ from torch.testing import assert_close
 
 from lightning_shardlab import ShardLabStrategy
 from lightning_shardlab.checkpoint.consolidate import consolidate
-from lightning_shardlab.checkpoint.inspect import describe
+from lightning_shardlab.checkpoint.describe import describe
 from tests.helpers.launch import run_commands, run_ranks
 from tests.helpers.reference import FP32
 from tests.models import GroupedGPT, OrderedData, RegressionNet, global_batches, regression_dataset, token_dataset

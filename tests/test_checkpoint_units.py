@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_shardlab.checkpoint.files import (
+from lightning_shardlab.checkpoint.atomic import (
     CheckpointError,
     check_file,
     clear_leftovers,

@@ -18,6 +18,7 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import lightning as L
 import pytest
@@ -25,9 +26,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_shardlab import ShardLabStrategy
+from lightning_shardlab.checkpoint.atomic import CheckpointError, leftovers
 from lightning_shardlab.checkpoint.consolidate import consolidate
 from lightning_shardlab.checkpoint.export import export
-from lightning_shardlab.checkpoint.files import CheckpointError, leftovers
 from lightning_shardlab.checkpoint.format import CheckpointReader
 from tests.helpers.launch import run_ranks
 from tests.helpers.peak_rss import peak_rss_growth
@@ -169,7 +170,7 @@ class SaveAtEpochEnd(Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.saves += 1
         if self.fail_on == (trainer.global_rank, self.saves):
-            from lightning_shardlab.checkpoint import sharded
+            from lightning_shardlab.checkpoint import sharded_save as sharded
 
             def die(obj: Any, path: Path) -> None:  # on the background thread, mid-write: the process ends at once
                 Path(path).write_bytes(b"partial")
@@ -205,18 +206,17 @@ def async_resume(tmp: str) -> dict:
 
 def _failed_background_write(tmp: str) -> str:
     """Rank 1's background write raises (its disk is full): the save's completion raises on every rank."""
-    from lightning_shardlab.checkpoint import sharded
+    from lightning_shardlab.checkpoint import sharded_save as sharded
 
-    if int(os.environ["RANK"]) == 1:
+    def full_disk(obj: Any, path: Path) -> None:
+        raise OSError(28, "No space left on device")
 
-        def full_disk(obj: Any, path: Path) -> None:
-            raise OSError(28, "No space left on device")
-
-        sharded.write_torch = full_disk
-    try:
-        _async_fit(tmp, [SaveAtEpochEnd(tmp + "/failing")])
-    except CheckpointError as err:
-        return str(err)
+    write = full_disk if int(os.environ["RANK"]) == 1 else sharded.write_torch
+    with mock.patch.object(sharded, "write_torch", write):  # undone after: the process serves more tests
+        try:
+            _async_fit(tmp, [SaveAtEpochEnd(tmp + "/failing")])
+        except CheckpointError as err:
+            return str(err)
     return "no error"
 
 

@@ -154,7 +154,7 @@ def _check_frozen(trainer: L.Trainer, where: str) -> None:
             assert not any(id(p) in stateful for p in fp.params), f"{fp.layout.name}: {where}"
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.quick), 4])
 def test_every_stage_matches_lightning_ddp(world_size: int) -> None:
     names = list(SCENARIOS)
     reports = run_ranks(

@@ -6,6 +6,7 @@ gets a free port, a hard wall clock, and its whole process group killed when it 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -226,6 +227,18 @@ def test_finetune_script_quick(tmp_path: Path) -> None:
     assert_budget_printed(pretraining, stage=2)
     assert_budget_printed(finetuning, stage=3)
     runs = tmp_path / "runs/quick"
+    # stage 3 shows units: several all-gathers per step, a gathered peak below the model; the output says why
+    (budget, *_) = json.loads((runs / "finetune/logs/version_0/shardlab_budget.json").read_text())
+    blocks = [name for name in budget["units"] if name != "root"]
+    assert len(blocks) == QUICK.model["n_layer"] and budget["unit_policy"] == "unit_classes=[Block]", budget["units"]
+    assert budget["comm_per_step"]["all_gather"]["calls"] > 1, budget["comm_per_step"]
+    model_bytes = 4 * sum(budget["units"].values())
+    assert 0 < budget["memory_measured"]["gathered_peak"] < model_bytes, (budget["memory_measured"], model_bytes)
+    assert "units: the root" in finetuning and "gathers each just before it computes" in finetuning
+    # the progress bar shows a real total of epochs (max_epochs from max_steps), never "Epoch 3/-2"
+    epochs = re.findall(r"Epoch (\d+)/(-?\d+)", output)
+    assert epochs and all(int(total) >= int(current) >= 0 for current, total in epochs), sorted(set(epochs))
+    assert output.count("data: ") == 2 and "sha256" in output  # the texts the figures come from
     assert (runs / "finetune/loss.png").stat().st_size > 0
     assert "vital signs of every rank (dashboard): runs/quick/finetune/vitals/vitals.html" in output
     assert "data:image/png;base64," in (runs / "finetune/vitals/vitals.html").read_text()

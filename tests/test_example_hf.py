@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_shardlab.config import ShardLabConfig
+from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.examples.hf_gpt2 import HFGPT2, check_vocab
 from lightning_shardlab.examples.text import TextDataModule, encode, python_topics
 from lightning_shardlab.sharding.policy import plan_units

@@ -23,7 +23,9 @@ from torch.testing import assert_close
 
 from lightning_shardlab import fabric as shardlab_fabric
 from lightning_shardlab.checkpoint.consolidate import consolidated_checkpoint
-from lightning_shardlab.checkpoint.inspect import describe
+from lightning_shardlab.checkpoint.describe import describe
+from lightning_shardlab.checkpoint.fabric_state import full_parts
+from tests.helpers.cli_tools import every_tool
 from tests.helpers.launch import run_commands, run_ranks
 from tests.helpers.reference import FP32
 from tests.models import TinyGPT, token_dataset
@@ -220,7 +222,16 @@ def save_both_front_doors(directory: str) -> dict:
     lightning_model = TinyGPT(n_layer=2)
     trainer.fit(lightning_model, OrderedData(token_dataset(8), 2))
     trainer.save_checkpoint(Path(directory) / "trainer")
+    trainer.save_checkpoint(Path(directory) / "trainer_weights", weights_only=True)
     trainer_weights = trainer.strategy.full_state_dict()
+    full = L.Trainer(
+        devices=2, strategy=ShardLabStrategy(stage=3, state_dict_type="full"), max_steps=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        use_distributed_sampler=False, **QUIET,
+    )  # fmt: skip
+    full.fit(TinyGPT(n_layer=2), OrderedData(token_dataset(8), 2))
+    full.save_checkpoint(Path(directory) / "trainer_full.ckpt")
+    full.save_checkpoint(Path(directory) / "trainer_full_weights.ckpt", weights_only=True)
     fabric = _fabric(2, stage=3)
     torch.manual_seed(7)  # other initial weights: the load must replace them
     model = TinyGPT(n_layer=2)
@@ -233,7 +244,13 @@ def save_both_front_doors(directory: str) -> dict:
             guard.before_step(step, None)
             _one_step(fabric, model, optimizer, step)
     fabric.save(Path(directory) / "fabric", {"model": model, "optimizer": optimizer, "step": 2})
-    return {"trainer": trainer_weights, "loaded": loaded, "saved": fabric.strategy.full_state_dict(model)}
+    fabric.save(Path(directory) / "fabric_weights", {"model": model, "step": 2})
+    return {
+        "trainer": trainer_weights,
+        "loaded": loaded,
+        "saved": fabric.strategy.full_state_dict(model),
+        "full": full.strategy.full_state_dict(),
+    }
 
 
 def resume_elsewhere(directory: str, stage: int) -> dict:
@@ -289,12 +306,35 @@ def test_checkpoints_move_between_world_sizes_stages_and_front_doors(tmp_path: P
     assert set(full["optimizer"]) == {"state", "param_groups"}
     loaded = run_ranks("tests.test_fabric:trainer_loads_fabric_weights", 2, {"directory": str(tmp_path)}, timeout=180)
     assert all(torch.equal(loaded[0][k], v) for k, v in saved["saved"].items())  # Fabric -> Trainer load_raw
+    for name, weights, optimizers in (
+        ("trainer", saved["trainer"], 1), ("trainer_weights", saved["trainer"], 0),
+        ("trainer_full.ckpt", saved["full"], 1), ("trainer_full_weights.ckpt", saved["full"], 0),
+        ("fabric", saved["saved"], 1), ("fabric_weights", saved["saved"], 0),
+    ):  # fmt: skip
+        _assert_tools_read(tmp_path / name, tmp_path / "tools" / name, weights, optimizers)
+
+
+def _assert_tools_read(checkpoint: Path, work: Path, weights: dict[str, Tensor], optimizers: int) -> None:
+    """Every ``shardlab`` tool, through the CLI, on one checkpoint kind: exit 0, the optimizer states counted,
+    the consolidated and exported weights equal to the run's (a tied tensor exported once)."""
+    out = every_tool(checkpoint, work)
+    for tool in ("inspect", "consolidate", "inspect_consolidated", "export"):
+        if tool in out:
+            assert out[tool][0] == 0, (checkpoint.name, tool, out[tool][1])
+    if "consolidate" in out:
+        assert f" {optimizers} optimizer state(s)" in out["consolidate"][1], out["consolidate"][1]
+        state_dict, saved_optimizers = full_parts(out["consolidated"])
+        assert len(saved_optimizers) == optimizers and state_dict.keys() == weights.keys(), checkpoint.name
+        assert all(torch.equal(state_dict[k], v) for k, v in weights.items()), checkpoint.name
+    last_inspect = out.get("inspect_consolidated", out["inspect"])[1]
+    assert f" {optimizers} optimizer state(s)" in last_inspect and f" {len(weights)} tensors" in last_inspect
+    assert out["exported"] and all(torch.equal(v, weights[k]) for k, v in out["exported"].items()), checkpoint.name
 
 
 # ---- one rank: what a Fabric user calls, and bad input ----
 
 
-def fabric_features() -> dict:
+def fabric_features(directory: str) -> dict:
     out: dict = {}
     fabric = _fabric(1, stage=3)
     loose = TinyGPT(n_layer=1)
@@ -310,7 +350,7 @@ def fabric_features() -> dict:
     # fabric.init_module(empty_init=True): no values until setup builds them; load_raw fills them
     torch.manual_seed(0)
     eager = TinyGPT(n_layer=2)
-    path = Path(os.environ["SHARDLAB_TEST_DIR"]) / "weights.pt"
+    path = Path(directory) / "weights.pt"
     torch.save(eager.state_dict(), path)
     with fabric.init_module(empty_init=True):
         lazy = TinyGPT(n_layer=2)
@@ -376,8 +416,10 @@ def fabric_features() -> dict:
     grads = [s.grad for s in shards if s.grad is not None]  # this rank's slices of the averaged gradients
     out["clip_val"] = bool(grads) and all(float(g.abs().max()) <= 1e-4 for g in grads if g.numel())
     opt.step()
-    file = Path(os.environ["SHARDLAB_TEST_DIR"]) / "full.ckpt"
+    file = Path(directory) / "full.ckpt"
     full_run.save(file, {"model": m, "optimizer": opt, "step": 1})
+    full_run.save(Path(directory) / "full_weights.ckpt", {"model": m, "step": 1})
+    out["full_weights"] = full_run.strategy.full_state_dict(m)
     written = torch.load(file, weights_only=True)
     out["full_keys"] = sorted(written)
     again = TinyGPT(n_layer=1)
@@ -395,13 +437,15 @@ def fabric_features() -> dict:
 
 
 def test_what_a_fabric_user_calls_on_one_rank(tmp_path: Path) -> None:
-    (out,) = run_ranks("tests.test_fabric:fabric_features", 1, timeout=240, env={"SHARDLAB_TEST_DIR": str(tmp_path)})
+    (out,) = run_ranks("tests.test_fabric:fabric_features", 1, {"directory": str(tmp_path)}, timeout=240)
     assert "set up the model first" in out["no_sync_unset"]
     assert (
         "set up before its module" in out["optimizer_first"] and "fabric.setup_module(model)" in out["optimizer_first"]
     )
     assert out["meta_before_setup"] and out["load_raw_equal"] and out["several_models"]
     assert out["full_keys"] == ["model", "optimizer", "step"] and out["full_roundtrip"] and out["full_optimizer"]
+    for name, optimizers in (("full.ckpt", 1), ("full_weights.ckpt", 0)):  # Fabric's full files, through the CLI
+        _assert_tools_read(tmp_path / name, tmp_path / "tools" / name, out["full_weights"], optimizers)
     assert out["clip_val"]
     for precision, losses in out["losses"].items():
         assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], (precision, losses)

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from lightning_shardlab import ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
-from lightning_shardlab.config import PrecisionPolicy
-from lightning_shardlab.precision import ShardLabPrecision
+from lightning_shardlab.core.config import PrecisionPolicy
+from lightning_shardlab.trainer.precision import ShardLabPrecision
 from tests.helpers.launch import run_ranks
 from tests.helpers.reference import init_from_env, mean_over_ranks, reference_shard, shutdown
 from tests.models import OddNet, OrderedData, TinyGPT, regression_batches, token_dataset

@@ -95,7 +95,7 @@ def test_stage3_keep_gathered_after_forward_matches_reference() -> None:
 
 def initial_values_come_from_rank_0() -> dict:
     """Every rank initialises differently; after setup all hold rank 0's values (and buffers)."""
-    from lightning_shardlab.checkpoint.io import full_state_dict
+    from lightning_shardlab.checkpoint.save_load import full_state_dict
 
     comm = init_from_env()
     torch.manual_seed(comm.rank)

@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from lightning_shardlab.budget.callback import ShardLabBudget
-from lightning_shardlab.budget.plan import INTERCONNECTS, main, make_plan, meta_model, parser
-from lightning_shardlab.config import ShardLabConfig
+from lightning_shardlab.budget.plan_command import INTERCONNECTS, main, make_plan, meta_model, parser
+from lightning_shardlab.budget.report import per_step
+from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.sharding.policy import plan_units
 
 GPT = "lightning_shardlab.examples.gpt.GPT"
@@ -128,7 +128,7 @@ def test_the_budget_keeps_one_label_in_two_groups_apart() -> None:
         ("reshard", "all_gather", "blocks.0"): (2, 400, 0.2),
         ("replica", "all_reduce", "blocks.0"): (2, 100, 0.1),
     }
-    comm, by_scope, by_unit = ShardLabBudget._per_step(training, steps=2)
+    comm, by_scope, by_unit = per_step(training, steps=2)
     assert comm["all_gather"] == pytest.approx({"calls": 3, "bytes": 400, "seconds": 0.3})
     assert by_scope["reshard"]["all_gather"] == pytest.approx({"calls": 1, "bytes": 200, "seconds": 0.1})
     assert by_scope["replica"]["all_reduce"]["bytes"] == 50

@@ -24,7 +24,7 @@ from lightning_shardlab.comm.mismatch import CollectiveMismatch, first_differenc
 from lightning_shardlab.guard.callback import ShardLabSanity
 from lightning_shardlab.guard.divergence import DivergenceError, DuplicateDataError, tensor_digest
 from lightning_shardlab.guard.fingerprints import FingerprintRecorder
-from lightning_shardlab.guard.guard import SanityConfig, SanityGuard
+from lightning_shardlab.guard.sanity_guard import SanityConfig, SanityGuard
 from tests.helpers.counting import counting_collectives
 from tests.helpers.launch import run_commands, run_ranks
 from tests.helpers.reference import init_from_env, shutdown

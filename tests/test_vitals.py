@@ -14,12 +14,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_shardlab import ShardLabStrategy
 from lightning_shardlab.vitals.callback import ShardLabVitals
-from lightning_shardlab.vitals.dashboard import VitalsHistory, find_outliers, write_dashboard
+from lightning_shardlab.vitals.dashboard import (
+    UNIT_SIGNALS,
+    VitalsHistory,
+    find_outliers,
+    panel_grid,
+    render_png,
+    write_dashboard,
+)
 from tests.helpers.launch import run_ranks
 from tests.models import OrderedData, TinyGPT, token_dataset
 from tests.test_trainer import QUIET
@@ -209,3 +217,26 @@ def test_a_step_without_a_gradient_norm_is_not_an_outlier(tmp_path: Path) -> Non
     assert find_outliers(history) == []
     paths = write_dashboard(history, tmp_path)
     assert paths["png"].exists() and json.loads(paths["json"].read_text())["outliers"] == []
+
+
+@pytest.mark.parametrize("n_units", [1, 2, 5])
+def test_the_dashboard_fills_its_grid_and_no_title_is_cut(n_units: int, tmp_path: Path) -> None:
+    """Panels laid out by how many there are (one unit: a full 2 x 3 grid, not a column beside an empty
+    half); every title inside the page and clear of its neighbours'."""
+    units = [f"blocks.{i}" for i in range(n_units)]
+    signals = ["loss", "grad_norm_local", "grad_norm"]
+    signals += [f"{prefix}/{unit}" for prefix, _ in UNIT_SIGNALS for unit in units]
+    values = np.abs(np.random.default_rng(0).standard_normal((6, 2, len(signals)))) + 0.1
+    fig = render_png(VitalsHistory(list(range(6)), signals, values), [], tmp_path / "vitals.png")
+    rows, cols, cells = panel_grid(n_units)
+    assert len(fig.axes) == len(cells) and sum(span for _, _, span in cells) == rows * cols  # no empty cell
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()  # the constrained layout, as saved
+    renderer = canvas.get_renderer()
+    boxes = [ax.title.get_window_extent(renderer) for ax in fig.axes]
+    page = fig.bbox
+    for ax, box in zip(fig.axes, boxes):
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and box.y1 <= page.y1, ax.get_title()
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), (a, b)

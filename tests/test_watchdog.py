@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from lightning_shardlab import Comm, ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
 from lightning_shardlab.guard.callback import ShardLabSanity
-from lightning_shardlab.guard.guard import SanityConfig, SanityGuard
+from lightning_shardlab.guard.sanity_guard import SanityConfig, SanityGuard
 from tests.helpers.launch import run_ranks
 from tests.helpers.reference import init_from_env
 from tests.models import OddNet, OrderedData, TinyGPT, regression_batches, token_dataset

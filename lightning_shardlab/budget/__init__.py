@@ -1,7 +1,12 @@
 """The budget: what each rank holds and what moves between ranks, predicted from the layout and measured.
 
-predict.py   the ZeRO table applied to the real layout (or a parameter count): bytes and traffic per rank
-measure.py   the bytes this rank holds right now, read from its tensors (traffic: comm/ledger.py)
-callback.py  ``ShardLabBudget``: both, side by side, at the end of fit
-plan.py      ``shardlab plan``: the same prediction for a run that has not happened
+predict.py       the ZeRO table applied to the real layout (or a parameter count): bytes and traffic per rank
+measure.py       the bytes this rank holds right now, read from its tensors (traffic: comm/ledger.py)
+tiers.py         offload: the bytes in each tier (device, host, disk) and what moves between them per step
+report.py        one rank's figures at the end of a run, measured beside predicted
+tables.py        rank 0's tables of every rank's report
+callback.py      ``ShardLabBudget``: measures each step (Trainer hooks, or a Fabric loop) and reports at the end
+plan.py          the same prediction for a run that has not happened: from a parameter count or a model's layout
+plan_command.py  ``shardlab plan``: its inputs (an import path, a LightningCLI YAML), its tables, its options
+local_link.py    ``--interconnect local``: this machine's link, timed by comm/link_probe.py
 """

@@ -4,7 +4,8 @@ Each step it measures this rank's memory by category from the real tensors (ledg
 the peak of gathered units, and what the collectives recorded (calls, bytes, seconds waiting, and
 their share of the step). Every ``log_every_n_steps`` the ranks' figures go to Lightning's logger
 (``shardlab/rank{r}/...``). When ``fit`` ends it prints the tables, each measured figure beside what
-budget/predict.py predicts from the layout, and writes ``shardlab_budget.json`` beside the logs. Per-step
+budget/predict.py predicts from the layout (budget/report.py assembles a rank's figures, budget/tables.py
+prints them), and writes ``shardlab_budget.json`` beside the logs. Per-step
 communication is the steady state: the first optimizer step is a warm-up and left out. A hybrid or
 regrouped run (comm/mesh.py) also gets its communication by group: inside shard groups, across them,
 inside reshard groups (``comm_per_step_by_scope``, set beside the prediction's ``by_scope``).
@@ -13,62 +14,23 @@ inside reshard groups (``comm_per_step_by_scope``, set beside the prediction's `
 from __future__ import annotations
 
 import json
-import resource
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, measure_memory
-from lightning_shardlab.budget.predict import OptimizerShape, predict_gathered_peak, predict_memory, predict_traffic
-from lightning_shardlab.budget.tiers import offload_of, tier_counters, tier_report, tier_table
+from lightning_shardlab.budget.report import Measured, Run, rank_report
+from lightning_shardlab.budget.tables import print_budget
+from lightning_shardlab.budget.tiers import tier_counters
 from lightning_shardlab.comm import collectives
-from lightning_shardlab.comm.mesh import SCOPES
-from lightning_shardlab.config import Accumulation
-from lightning_shardlab.display import mib, print_table
-from lightning_shardlab.sharding.sharded_model import ShardedModel, sharded_model_of
+from lightning_shardlab.sharding.sharded_model import sharded_model_of
 
 STEP_KEYS = (*MEMORY_CATEGORIES, "gathered_peak", "comm_bytes", "comm_seconds", "step_seconds")
-
-
-def process_peak_bytes(device: torch.device) -> int:
-    """The allocator's peak on a GPU; the process's peak resident memory on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-@dataclass
-class Run:
-    """What the budget reads of a run, from either front door."""
-
-    sharded: ShardedModel
-    optimizers: list[Any]
-    step: int  # optimizer steps so far
-    log_every: int
-    logger: Any  # has log_metrics(metrics, step), or None
-    rank: int
-    precision: str
-    micro_batches: int  # per optimizer step
-    directory: Callable[[], Path]  # a Trainer's log_dir is a collective: asked for only at the end
-
-    @staticmethod
-    def of_trainer(trainer: L.Trainer) -> Run | None:
-        sharded = sharded_model_of(trainer)
-        if sharded is None:
-            return None
-        return Run(
-            sharded, trainer.optimizers, trainer.global_step, max(trainer.log_every_n_steps, 1), trainer.logger,
-            trainer.global_rank, str(trainer.precision), trainer.accumulate_grad_batches,
-            lambda: Path(trainer.log_dir or trainer.default_root_dir),
-        )  # fmt: skip
 
 
 class ShardLabBudget(L.Callback):
@@ -239,137 +201,15 @@ class ShardLabBudget(L.Callback):
         directory = run.directory()  # every rank (a Trainer's log_dir is a broadcast)
         if run.rank != 0:
             return everyone
-        self._print(everyone, sharded)
+        print_budget(self.console, everyone)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / self.json_name).write_text(json.dumps(everyone, indent=1))
         self.console.print(f"[rank 0] budget written to {directory / self.json_name}")
         return everyone
 
     def _report(self, run: Run) -> dict[str, Any]:
-        sharded = run.sharded
-        steps = max(run.step - self._first_step, 1)
-        training, step_seconds = self._training_traffic(sharded.comm.ledger), self.step_seconds
+        training, step_seconds = self._training_traffic(run.sharded.comm.ledger), self.step_seconds
         if self._warmed_up and run.step == self._first_step:  # the warm-up was the only step
             training, step_seconds = self._warm_up
-        layouts = sharded.trained_layouts()  # a backbone unfrozen mid-run holds gradients and state now
-        units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.forward_order}  # as they ran
-        optimizer = OptimizerShape.of(run.optimizers[0]) if run.optimizers else None
-        mesh = sharded.mesh
-        reshard = mesh.reshard.world_size if mesh.regrouped else None
-        traffic = predict_traffic(
-            units,
-            sharded.config.stage,
-            sharded.policy,
-            run.micro_batches,
-            sharded.config.accumulation is Accumulation.REDUCE,
-            sharded.config.reshard_after_forward,
-            replicas=mesh.replica.world_size,
-            reshard_size=reshard,
-        )
-        comm, by_scope, by_unit = self._per_step(training, steps)
-        return {
-            "rank": sharded.comm.rank,
-            "world_size": sharded.comm.world_size,
-            "stage": int(sharded.config.stage),
-            "precision": run.precision,
-            "optimizer_steps": steps,
-            "memory_measured": {k: self.last[k] for k in (*MEMORY_CATEGORIES, "gathered_peak")},
-            "memory_predicted": {
-                **predict_memory(
-                    layouts,
-                    sharded.config.stage,
-                    sharded.policy,
-                    mesh.shard.rank,
-                    optimizer,
-                    offload_of(sharded),
-                ),
-                "gathered_peak": predict_gathered_peak(units, sharded.config.stage, sharded.policy, reshard),
-            },
-            "process_peak_bytes": process_peak_bytes(sharded.comm.device),
-            "comm_per_step": comm,
-            "comm_per_step_by_scope": by_scope,
-            "comm_per_step_by_unit": by_unit,
-            "comm_predicted_per_step": vars(traffic),
-            "step_seconds": step_seconds / steps,
-            "comm_share_of_step": sum(c["seconds"] for c in comm.values()) / max(step_seconds / steps, 1e-12),
-            **tier_report(sharded, run.optimizers, optimizer),
-            "storage_io_per_step": dict(
-                zip(("read", "written", "offload_seconds"), (v / steps for v in self.storage_io))
-            ),
-        }
-
-    @staticmethod
-    def _per_step(training: dict[tuple[str, str, str], tuple[float, float, float]], steps: int) -> tuple[dict, ...]:
-        """The measured calls, bytes and seconds per step: by kind, by scope then kind, and by call ("kind
-        label", with the scope first when it is not "world": one label may travel in several groups)."""
-
-        def zero() -> dict[str, float]:
-            return {"calls": 0.0, "bytes": 0.0, "seconds": 0.0}
-
-        comm: dict[str, dict[str, float]] = defaultdict(zero)
-        by_scope: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(zero))
-        by_unit: dict[str, dict[str, float]] = defaultdict(zero)
-        for (scope, kind, label), (count, nbytes, seconds) in training.items():
-            if count == 0:
-                continue
-            name = f"{kind} {label}" if scope == "world" else f"{scope} {kind} {label}"
-            per_step = {"calls": count / steps, "bytes": nbytes / steps, "seconds": seconds / steps}
-            for entry in (comm[kind], by_scope[scope][kind], by_unit[name]):
-                for k, v in per_step.items():
-                    entry[k] += v
-        return dict(comm), {scope: dict(kinds) for scope, kinds in by_scope.items()}, dict(by_unit)
-
-    def _print(self, everyone: list[dict[str, Any]], sharded: Any) -> None:
-        first = everyone[0]
-        title = (
-            f"shardlab budget: memory per rank between steps, MiB measured (predicted), stage {first['stage']},"
-            f" {first['world_size']} ranks, {first['precision']}"
-        )
-        memory = Table(title=title)
-        cats = (*MEMORY_CATEGORIES, "gathered_peak")
-        for col in ("rank", *cats, "model state", "process peak"):
-            memory.add_column(col, justify="right")
-        for r in everyone:
-            m, p = r["memory_measured"], r["memory_predicted"]
-            cells = [f"{mib(m[c])} ({mib(p[c])})" for c in cats]
-            state = sum(m[c] for c in MEMORY_CATEGORIES if c != "padding")
-            predicted = sum(p[c] for c in MEMORY_CATEGORIES if c != "padding")
-            memory.add_row(str(r["rank"]), *cells, f"{mib(state)} ({mib(predicted)})", mib(r["process_peak_bytes"]))
-        print_table(self.console, memory)
-        comm = Table(
-            title=f"shardlab budget: communication per optimizer step ({first['optimizer_steps']} steps),"
-            " full-tensor MiB, measured (predicted)"
-        )
-        for col in ("rank", "collective", "calls", "MiB", "seconds waiting", "share of step"):
-            comm.add_column(col, justify="right")
-        for r in everyone:
-            pred = r["comm_predicted_per_step"]
-            for kind, c in sorted(r["comm_per_step"].items()):
-                p_calls, p_bytes = pred.get(f"{kind}_calls"), pred.get(f"{kind}_bytes")
-                calls = f"{c['calls']:.1f}" + (f" ({p_calls})" if p_calls is not None else "")
-                moved = mib(c["bytes"]) + (f" ({mib(p_bytes)})" if p_bytes is not None else "")
-                share = c["seconds"] / max(r["step_seconds"], 1e-12)
-                comm.add_row(str(r["rank"]), kind, calls, moved, f"{c['seconds']:.4f}", f"{share:.1%}")
-        print_table(self.console, comm)
-        if any(scope != "world" for r in everyone for scope in r["comm_per_step_by_scope"]):
-            self._print_by_scope(everyone)
-        if first["offload"] != "none":
-            print_table(self.console, tier_table(everyone))
-
-    def _print_by_scope(self, everyone: list[dict[str, Any]]) -> None:
-        """Hybrid or regrouped runs: the same calls by the group they ran in (comm/mesh.py's scopes)."""
-        table = Table(
-            title="shardlab budget: communication per optimizer step by group, full-tensor MiB, measured (predicted)"
-        )
-        for col in ("rank", "group", "collective", "calls", "MiB", "seconds waiting"):
-            table.add_column(col, justify="right")
-        for r in everyone:
-            predicted = r["comm_predicted_per_step"].get("by_scope", {})
-            for scope, kinds in sorted(r["comm_per_step_by_scope"].items()):
-                for kind, c in sorted(kinds.items()):
-                    p = predicted.get(scope, {}).get(kind)
-                    calls = f"{c['calls']:.1f}" + (f" ({p[0]})" if p is not None else "")
-                    moved = mib(c["bytes"]) + (f" ({mib(p[1])})" if p is not None else "")
-                    group = f"{scope}: {SCOPES.get(scope, scope)}"
-                    table.add_row(str(r["rank"]), group, kind, calls, moved, f"{c['seconds']:.4f}")
-        print_table(self.console, table)
+        steps = max(run.step - self._first_step, 1)
+        return rank_report(run, Measured(self.last, training, step_seconds, steps, self.storage_io))

@@ -1,47 +1,20 @@
-"""``shardlab plan``: the budget of a run before buying the hardware.
+"""The plan's arithmetic: a run's budget before it runs, from a parameter count or a real model's layout.
 
-From a parameter count (the ZeRO table) or from a real model (its real unit layout at the target
-world size, computed on the meta device: no memory, no processes), with stage, world size,
-precision, optimizer and an interconnect (a named preset, or ``local``: measured here with two gloo
-ranks), it prints per-rank bytes by category, bytes moved per step, the lower-bound communication
-time, and — given tokens per step and a device — whether that time can hide behind compute.
-
-Hybrid sharding (``--shard-group-size G``): each shard group of G ranks shards the model as a world of G
-would (per-rank bytes at N = G), and the R = W / G groups all-reduce their gradient shards across each
-other; ``--intra`` and ``--inter`` name the link inside a group and the link across groups, and the time
-on each is shown apart. ``--reshard-after-forward K`` (stage 3) keeps 1/K of each unit between forward and
-backward, so backward gathers inside K ranks.
-
-    shardlab plan --params 70e9 --world-size 64 --stage 3
-    shardlab plan --params 70e9 --world-size 64 --shard-group-size 8 --intra nvlink --inter infiniband
-    shardlab plan --model lightning_shardlab.examples.gpt.GPT --init-args '{"n_layer": 12}' --world-size 8
-    shardlab plan --config configs/gpt_finetune_cpu.yaml --world-size 4 --json
-    shardlab plan --params 13e9 --world-size 8 --offload cpu --device-memory 80GB
-
-``--offload cpu|disk`` puts the masters and the optimizer state in host memory or on disk (budget/tiers.py):
-the plan then shows what lives in each tier, what moves to and from it per step and the time on
-``--tier-link``; ``--device-memory`` says whether what stays on the device fits.
+``plan_params`` applies the ZeRO table to a parameter count; ``plan_model`` lays a real model out into its
+units at the target world size on the meta device (no memory, no processes) and predicts from that layout,
+as ``ShardLabBudget`` does for a run (budget/predict.py, budget/tiers.py). Both return a ``Plan``: bytes per
+rank by category, bytes moved per step, and the lower-bound time on the links. ``shardlab plan`` (the
+command, its inputs and its printing) is budget/plan_command.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import yaml
-from rich.console import Console
-from rich.table import Table
 
-from lightning_shardlab.budget.local_link import measure_local_link
-from lightning_shardlab.budget.measure import MEMORY_CATEGORIES
 from lightning_shardlab.budget.predict import (
-    DEVICES,
-    INTERCONNECTS,
     Interconnect,
     OptimizerShape,
     Traffic,
@@ -52,15 +25,12 @@ from lightning_shardlab.budget.predict import (
     zero_table_bytes,
 )
 from lightning_shardlab.budget.tiers import (
-    LINKS,
     plan_fields,
-    plan_rows,
     predict_locations,
     predict_moves,
     split_by_tier,
 )
-from lightning_shardlab.config import DTYPES, PrecisionPolicy, ShardLabConfig, Stage, import_path
-from lightning_shardlab.display import gigabytes, print_table, size
+from lightning_shardlab.core.config import DTYPES, PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding.policy import plan_units
 
 COMPUTE = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": None}
@@ -257,190 +227,3 @@ def plan_model(
             locations, predict_moves(layouts, policy, offload, shape, r), offload, tier_link, device_memory, peak
         ),
     )
-
-
-# ---- inputs: a model from an import path or a LightningCLI YAML ----
-
-
-def meta_model(class_path: str, init_args: dict[str, Any]) -> torch.nn.Module:
-    """Build the model on the meta device (shapes only), running ``configure_model`` if it has one."""
-    cls = import_path(class_path, "--model")
-    with torch.device("meta"):
-        model = cls(**init_args)
-        if hasattr(model, "configure_model"):
-            model.configure_model()
-    return model
-
-
-def from_yaml(path: str) -> tuple[str, dict, dict, str | None]:
-    """(model class path, init args, strategy init args, precision) from a ``shardlab fit`` config."""
-    cfg = yaml.safe_load(Path(path).read_text())
-    model = cfg.get("model") or {}
-    if "class_path" not in model:
-        raise ValueError(f"{path}: no `model.class_path`. HINT: give a LightningCLI config with a model class_path.")
-    trainer = cfg.get("trainer") or {}
-    strategy = trainer.get("strategy")
-    strategy_args = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
-    if isinstance(strategy, str) and strategy.startswith("shardlab_stage_"):
-        strategy_args = {"stage": int(strategy[-1])}
-    return model["class_path"], model.get("init_args") or {}, strategy_args, trainer.get("precision")
-
-
-# ---- output ----
-
-
-def _gb(n: float) -> str:
-    return size(n, decimal=True)  # as hardware is sold
-
-
-def _grouping(plan: Plan) -> str:
-    """'64 ranks = 8 shard groups x 8 ranks' (hybrid), or '64 ranks'; with reshard groups of k."""
-    text = f"{plan.world_size} ranks"
-    if plan.replicas > 1:
-        text += f" = {plan.replicas} shard groups x {plan.shard_group_size} ranks"
-    if plan.reshard_size:
-        text += f", backward gathers in reshard groups of {plan.reshard_size}"
-    return text
-
-
-def print_plan(plan: Plan, console: Console) -> None:
-    """Per-rank bytes, bytes moved per step inside and across groups, and the time on each link."""
-    traffic = Traffic(**plan.traffic)
-    table = Table(title=f"shardlab plan: {plan.source}")
-    table.add_column("")
-    table.add_column("per rank", justify="right")
-    for cat in MEMORY_CATEGORIES:
-        table.add_row(cat, _gb(plan.memory_per_rank.get(cat, 0.0)))
-    table.add_row("model state per rank", _gb(plan.model_state))
-    table.add_row("unsharded (one device)", _gb(plan.unsharded_bytes))
-    if plan.gathered_peak:
-        table.add_row("gathered units at peak", _gb(plan.gathered_peak))
-    hybrid = plan.replicas > 1
-    inside = "moved per step in each shard group (full tensors)" if hybrid else "moved per step (full tensors)"
-    table.add_row(inside, _gb(traffic.scope_bytes("world", "shard")))
-    if plan.reshard_size:
-        table.add_row("moved per step in each reshard group (full tensors)", _gb(traffic.scope_bytes("reshard")))
-    if hybrid:
-        table.add_row("moved per step across shard groups (all-reduced shards)", _gb(traffic.scope_bytes("replica")))
-        table.add_row(f"intra-group link >= ({plan.links['intra']})", _ms(plan.link_seconds["intra"]))
-        table.add_row(f"inter-group link >= ({plan.links['inter']})", _ms(plan.link_seconds["inter"]))
-        table.add_row("communication >= (both links)", _ms(plan.comm_seconds))
-    else:
-        table.add_row(f"communication >= ({plan.interconnect})", _ms(plan.comm_seconds))
-    for label, value in plan_rows(asdict(plan)):
-        table.add_row(label, _gb(value) if isinstance(value, float) else value)
-    if plan.compute_seconds is not None:
-        verdict = "hides behind compute" if plan.comm_seconds <= plan.compute_seconds else "exceeds compute"
-        table.add_row("compute per step (estimate)", _ms(plan.compute_seconds))
-        table.add_row("communication", verdict)
-    print_table(console, table)
-    console.print(
-        f"{plan.params:,} parameters, stage {plan.stage}, {_grouping(plan)}, {plan.precision}", soft_wrap=True
-    )
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.1f} ms"
-
-
-# ---- the command ----
-
-
-def group_size(text: str) -> int | str:
-    """``--shard-group-size``: a number of ranks, or 'node'."""
-    return text if text == "node" else int(text)
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shardlab plan", description=__doc__.split("\n\n")[0])
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--params", type=float, help="a parameter count, e.g. 70e9 (the ZeRO table)")
-    source.add_argument("--model", help="import path of a model class, built on the meta device")
-    source.add_argument("--config", help="a `shardlab fit` YAML: its model, strategy and precision")
-    p.add_argument("--init-args", default="{}", help="JSON init arguments for --model")
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--stage", type=int, choices=(1, 2, 3), help="default: the config's, else 3")
-    p.add_argument("--precision", choices=tuple(COMPUTE), help="default: the config's, else bf16-mixed")
-    p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, rmsprop, adagrad, ... (default adamw)")
-    p.add_argument("--shard-group-size", type=group_size, help="hybrid: G ranks shard the model, or 'node'")
-    p.add_argument("--ranks-per-node", type=int, help="for --shard-group-size node (default: the world size)")
-    p.add_argument("--reshard-after-forward", type=int, metavar="K", help="stage 3: gather for backward in K ranks")
-    links = (*INTERCONNECTS, "local")
-    p.add_argument("--interconnect", default="nvlink", choices=links, help="every link (default nvlink)")
-    p.add_argument("--intra", choices=links, help="the link inside shard groups (default: --interconnect)")
-    p.add_argument("--inter", choices=links, help="the link across shard groups (default: --interconnect)")
-    p.add_argument("--tokens-per-step", type=float, help="global tokens per optimizer step, for the compute estimate")
-    p.add_argument("--device", choices=tuple(DEVICES), help="for the compute estimate")
-    p.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation assumed for compute (default 0.4)")
-    p.add_argument("--offload", choices=("none", "cpu", "disk"), help="masters and optimizer state on host or disk")
-    p.add_argument("--tier-link", choices=tuple(LINKS), help="the link to the offload tier (default nvme / pcie5)")
-    p.add_argument("--device-memory", type=gigabytes, help="e.g. 80GB: does the model state fit on one device?")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    return p
-
-
-def _links(args: argparse.Namespace) -> tuple[Interconnect, Interconnect]:
-    """(intra, inter): the named presets, ``local`` measured once here."""
-    names = (args.intra or args.interconnect, args.inter or args.interconnect)
-    measured = measure_local_link() if "local" in names else None
-    intra, inter = (measured if name == "local" else INTERCONNECTS[name] for name in names)
-    return intra, inter
-
-
-def _strategy_options(strategy: dict[str, Any], args: argparse.Namespace) -> ShardLabConfig:
-    """The config's strategy options, with the command line's stage and groups over them."""
-    given = {
-        "stage": args.stage,
-        "shard_group_size": args.shard_group_size,
-        "reshard_after_forward": args.reshard_after_forward,
-        "offload": args.offload,
-    }
-    strategy = {**strategy, **{k: v for k, v in given.items() if v is not None}}
-    fields = ShardLabConfig.__dataclass_fields__
-    return ShardLabConfig(**{k: v for k, v in strategy.items() if k in fields and k != "unit_types"})
-
-
-def make_plan(args: argparse.Namespace) -> Plan:
-    """The plan the command line asks for. Raises ``ValueError`` naming the option on a bad one."""
-    intra, inter = _links(args)
-    if args.params is not None:
-        config = _strategy_options({"stage": 3}, args)
-        precision = args.precision or "bf16-mixed"
-        plan = plan_params(
-            args.params, args.world_size, config.stage, precision, args.optimizer, intra,
-            inter=inter, config=config, per_node=args.ranks_per_node, offload=config.offload,
-            tier_link=args.tier_link, device_memory=args.device_memory,
-        )  # fmt: skip
-    else:
-        class_path, init_args, strategy, precision = (
-            from_yaml(args.config) if args.config else (args.model, json.loads(args.init_args), {}, None)
-        )
-        plan = plan_model(
-            meta_model(class_path, init_args),
-            _strategy_options(strategy, args),
-            args.world_size,
-            args.precision or precision or "bf16-mixed",
-            args.optimizer,
-            intra,
-            class_path,
-            inter=inter,
-            per_node=args.ranks_per_node,
-            tier_link=args.tier_link,
-            device_memory=args.device_memory,
-        )
-    if args.tokens_per_step and args.device:
-        per_rank_tokens = args.tokens_per_step / args.world_size
-        plan.compute_seconds = 6 * plan.params * per_rank_tokens / (DEVICES[args.device] * args.mfu)
-    return plan
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    try:
-        plan = make_plan(args)
-    except ValueError as err:
-        sys.exit(f"shardlab plan: error: {err}")
-    if args.json:
-        print(json.dumps(asdict(plan), indent=1))
-    else:
-        print_plan(plan, Console())

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES
-from lightning_shardlab.config import PrecisionPolicy, Stage
+from lightning_shardlab.core.config import PrecisionPolicy, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.optimizer import OptimizerShape
 

@@ -21,8 +21,8 @@ from torch import Tensor
 
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, measure_memory
 from lightning_shardlab.budget.predict import predict_memory
-from lightning_shardlab.config import PrecisionPolicy, Stage
-from lightning_shardlab.display import mib
+from lightning_shardlab.core.config import PrecisionPolicy, Stage
+from lightning_shardlab.core.display import mib
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.optimizer import OptimizerShape
 from lightning_shardlab.sharding.sharded_model import ShardedModel
@@ -149,7 +149,7 @@ def tier_counters(sharded: ShardedModel) -> tuple[float, float, float] | None:
     if sharded.offload is None:
         return None
     io = io_counters()
-    seconds = getattr(sharded.offload, "step_seconds", 0.0)
+    seconds = sharded.offload.step_seconds
     return None if io is None else (float(io[0]), float(io[1]), seconds)
 
 

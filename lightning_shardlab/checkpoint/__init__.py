@@ -8,22 +8,24 @@ unsharded state dict and optimizer state, gathered one flat parameter at a time 
 
 Loading detects the format (a directory or a file) and works at any world size and any stage: each
 rank takes the elements of its new shard. Both formats are written atomically (complete, or absent:
-checkpoint/files.py), keep non-model state that differs between ranks for every rank
+checkpoint/atomic.py), keep non-model state that differs between ranks for every rank
 (checkpoint/rank_state.py), and agree on one verdict before anything is loaded, so a missing, truncated
 or altered file raises the same error on every rank, naming it. ``shardlab consolidate`` turns a sharded
 checkpoint into a full one in one process (checkpoint/consolidate.py); ``shardlab inspect`` describes
-either (checkpoint/inspect.py). The files, one concept each:
+either (checkpoint/describe.py). The files, one concept each:
 
-    io.py           what the strategy calls: save / load / remove, by format
-    full.py         full state dicts: gather, and slice back into shards
-    format.py       the sharded format on disk: metadata, verification, reads of element ranges
-    sharded.py      the collective sharded save and load
+    save_load.py      what the strategies call: save / load / load the weights, by format
+    full.py           full state dicts: gather, and slice back into shards
+    format.py         the sharded format on disk: metadata, verification, reads of element ranges
+    sharded_save.py   the collective sharded save
+    sharded_load.py   the sharded load: the files a rank needs, its slices, at any world size and stage
     shard_tensors.py  what one rank's shard file holds
-    async_save.py   a save written in the background (``async_save=True``), completed at the next wait
-    rank_state.py   per-rank side state
-    files.py        atomic commit, fsync, sizes and checksums
-    consolidate.py  a sharded checkpoint into a full one, in one process (``shardlab consolidate``)
-    stream_save.py  torch's file format, written one tensor at a time
-    export.py       safetensors in the Hugging Face layout (``shardlab export``)
-    inspect.py      what a checkpoint holds (``shardlab inspect``)
+    async_save.py     a save written in the background (``async_save=True``), completed at the next wait
+    rank_state.py     per-rank side state
+    fabric_state.py   Fabric's ``state`` dicts in the same layout, and back in the user's keys
+    atomic.py         atomic commit, fsync, sizes and checksums; one destination on every rank
+    consolidate.py    a sharded checkpoint into a full one, in one process (``shardlab consolidate``)
+    stream_save.py    torch's file format, written one tensor at a time
+    export.py         safetensors in the Hugging Face layout (``shardlab export``)
+    describe.py       what a checkpoint holds (``shardlab inspect``)
 """

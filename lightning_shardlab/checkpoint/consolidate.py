@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from lightning_shardlab.checkpoint.fabric_state import to_user_shape
-from lightning_shardlab.checkpoint.files import CheckpointError, commit, delete, fsync_file, new_id, tmp_path
+from lightning_shardlab.checkpoint.atomic import CheckpointError, commit, delete, fsync_file, new_id, tmp_path
+from lightning_shardlab.checkpoint.fabric_state import full_parts, to_user_shape
 from lightning_shardlab.checkpoint.format import (
     EMA,
     EMA_RECORD,
@@ -140,10 +140,11 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint = consolidate(args.src, args.dst, weights_only=False if args.trust_pickle else None)
     except (CheckpointError, ValueError, OSError) as err:
         sys.exit(f"shardlab consolidate: error: {err}")
-    n = sum(v.numel() for v in {id(v): v for v in checkpoint["state_dict"].values() if torch.is_tensor(v)}.values())
+    state_dict, optimizers = full_parts(checkpoint)  # a Trainer's or a Fabric's (the user's keys)
+    n = sum(v.numel() for v in {id(v): v for v in state_dict.values() if torch.is_tensor(v)}.values())
     print(
-        f"consolidated {args.src} -> {args.dst}: {len(checkpoint['state_dict'])} state_dict entries ({n:,} elements),"
-        f" {len(checkpoint.get('optimizer_states', []))} optimizer state(s), {Path(args.dst).stat().st_size:,} bytes"
+        f"consolidated {args.src} -> {args.dst}: {len(state_dict)} state_dict entries ({n:,} elements),"
+        f" {len(optimizers)} optimizer state(s), {Path(args.dst).stat().st_size:,} bytes"
     )
 
 

@@ -33,9 +33,10 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from lightning_shardlab.checkpoint.files import CheckpointError, commit, delete, new_id, tmp_path
+from lightning_shardlab.checkpoint.atomic import CheckpointError, commit, delete, new_id, tmp_path
+from lightning_shardlab.checkpoint.fabric_state import full_parts
 from lightning_shardlab.checkpoint.format import CheckpointReader
-from lightning_shardlab.display import parse_size
+from lightning_shardlab.core.display import parse_size
 
 HF_CONFIG_KEY = "hf_config"  # a LightningModule's on_save_checkpoint may store its HF config.to_dict() here
 _ALIGN = 8  # bytes: each tensor's stretch of the staging buffer starts at a multiple of any element size
@@ -170,7 +171,7 @@ def export(
             trainer_state = torch.load(src, map_location="cpu", mmap=True, weights_only=weights_only)
         except Exception as err:  # noqa: BLE001  (a missing or damaged file is the same verdict)
             raise CheckpointError(f"{src} is not a readable checkpoint ({err}). HINT: check the path.") from None
-        entries = full_entries(trainer_state.get("state_dict", {}), prefix)
+        entries = full_entries(full_parts(trainer_state)[0], prefix)  # a Trainer's file or a Fabric's
     if not entries:
         raise ValueError(f"{src} holds no tensors under --prefix {prefix!r}. HINT: check the prefix (e.g. 'model.').")
     tmp = tmp_path(final, new_id())

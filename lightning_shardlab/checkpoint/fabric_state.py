@@ -95,6 +95,16 @@ def restore_plain(
     return saved
 
 
+def full_parts(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The module state dict and the optimizer states of a full checkpoint in either shape: a Trainer's
+    (``state_dict``, ``optimizer_states``) or a Fabric's (the user's keys: one module state dict, and each
+    optimizer's ``{"state", "param_groups"}``, in saved order)."""
+    if "state_dict" in checkpoint:
+        return checkpoint["state_dict"], list(checkpoint.get("optimizer_states", []))
+    optimizers = [v for v in checkpoint.values() if isinstance(v, Mapping) and {"state", "param_groups"} <= set(v)]
+    return weights_of(dict(checkpoint), "state_dict")["state_dict"], optimizers
+
+
 def weights_of(checkpoint: dict[str, Any], source_key: str) -> dict[str, Any]:
     """A loaded checkpoint as ``load_model`` reads it, whichever front door wrote it: a sharded directory or a
     Trainer file as it is; a plain state dict file, or a Fabric full file with one state dict in it, wrapped."""

@@ -80,8 +80,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_shardlab.checkpoint.files import CheckpointError, check_file, leftovers
-from lightning_shardlab.offload.files import drop_pages
+from lightning_shardlab.checkpoint.atomic import CheckpointError, check_file, leftovers
+from lightning_shardlab.offload.mapped_files import drop_pages
 from lightning_shardlab.sharding.flat_param import FlatParamLayout, ParamSlot
 
 FORMAT = "shardlab-sharded"

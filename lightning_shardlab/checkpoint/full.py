@@ -8,7 +8,7 @@ slices out its shard.
 
 Gathering holds no more than necessary: one flat parameter at a time is all-gathered (every rank holds
 that one full buffer only while it is copied out); rank 0, which writes the single file, keeps the CPU
-copies. The file is written by rank 0 under a temporary name and renamed into place (checkpoint/files.py).
+copies. The file is written by rank 0 under a temporary name and renamed into place (checkpoint/atomic.py).
 """
 
 from __future__ import annotations

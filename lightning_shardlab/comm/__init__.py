@@ -1,13 +1,16 @@
 """Communication: every collective the project issues, counted and verified (the layer everything else uses).
 
-    collectives.py  ``Comm`` (a process group with its ledger and observers) and the collectives, sync or async
-    mesh.py         the groups of hybrid sharding: world, shard group, replica group, reshard group
-    transport.py    launching on torch.distributed: one ``Launched`` per call, waited once
-    wire.py         self-verifying collectives as pairwise sends: a header before each payload
-    verify.py       the header codec, and the header exchange for backends where pairs do not fit
-    mismatch.py     the errors, and the message naming where two ranks parted
-    labels.py       profiler labels for the phases of a step
-    ledger.py       bytes, counts and blocked seconds per collective kind, label and group kind
+    collectives.py      ``Comm`` (a process group with its ledger and observers) and the collectives, sync or async
+    call.py             ``CollectiveCall`` (one collective as every rank must issue it) and its observers
+    mesh.py             the groups of hybrid sharding: world, shard group, replica group, reshard group
+    transport.py        launching on torch.distributed: one ``Launched`` per call, waited once
+    transport_probe.py  which transport each collective takes on gloo, timed once at setup
+    link_probe.py       this machine's link between two gloo ranks, timed (``shardlab plan --interconnect local``)
+    wire.py             self-verifying collectives as pairwise sends: a header before each payload
+    verify.py           the header codec, and the header exchange for backends where pairs do not fit
+    mismatch.py         the errors, and the message naming where two ranks parted
+    labels.py           profiler labels for the phases of a step
+    ledger.py           bytes, counts and blocked seconds per collective kind, label and group kind
 
 Nothing here knows about parameters or units: callers pass tensors and a label.
 """

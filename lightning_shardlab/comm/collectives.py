@@ -19,38 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_shardlab.comm.call import CollectiveCall, CollectiveObserver
 from lightning_shardlab.comm.labels import phase
 from lightning_shardlab.comm.ledger import Ledger
-from lightning_shardlab.comm.transport import TRANSPORTS, Builtin, Launched, time_transports
+from lightning_shardlab.comm.transport import Builtin, Launched
 from lightning_shardlab.comm.verify import HEADER, HeaderExchange, Headers
 from lightning_shardlab.comm.wire import KEPT_AFTER_FAILURE, MIN_LIMIT, Wire
-
-
-@dataclass(frozen=True)
-class CollectiveCall:
-    """One collective as every rank must issue it: the same sequence of these on every rank."""
-
-    seq: int  # this rank's count of collectives issued on its Comm
-    kind: str  # all_gather, reduce_scatter, all_reduce, broadcast, all_gather_object, ...
-    label: str  # what it moves, e.g. the flat parameter "blocks.3[float32]"
-    numel: int  # elements of the full (gathered / reduced) tensor; 0 for objects
-    dtype: str
-    scope: str = "world"  # the kind of group it runs in (comm/mesh.py); each group numbers its own calls
-
-    @property
-    def fingerprint(self) -> tuple:
-        return (self.seq, self.kind, self.label, self.numel, self.dtype)
-
-
-class CollectiveObserver:
-    """Sees every collective of a Comm: ``started`` before it is launched (it may raise to stop it),
-    ``finished`` once it has been waited for."""
-
-    def started(self, call: CollectiveCall) -> None:
-        pass
-
-    def finished(self, call: CollectiveCall, seconds: float) -> None:
-        pass
 
 
 @dataclass
@@ -357,21 +331,3 @@ def broadcast_object(obj: Any, comm: Comm, src: int = 0) -> Any:
             obj = box[0]
     comm.finish(call, time.perf_counter() - started)
     return obj
-
-
-def choose_transports(comm: Comm, numel: int, dtype: torch.dtype, choice: str = "auto") -> dict[str, Any]:
-    """Settle how all-gathers and reduce-scatters travel: ``choice`` 'builtin' or 'pairwise', or 'auto':
-    time both on a flat parameter of ``numel`` elements and keep the faster (the slowest rank's times
-    decide, so every rank agrees). NCCL keeps its own collectives. Returns what was measured."""
-    if comm.world_size == 1 or comm.backend == "nccl" or comm.stages_through_cpu:
-        return {}
-    if choice != "auto":
-        comm.transports = {"all_gather": TRANSPORTS[choice], "reduce_scatter": TRANSPORTS[choice]}
-        return {}
-    times = torch.tensor(time_transports(numel, dtype, comm.group, comm.rank, comm.world_size), dtype=torch.float64)
-    ag_builtin, rs_builtin, ag_pairwise, rs_pairwise = all_reduce(times, comm, op="max", label="transport").tolist()
-    comm.transports = {
-        "all_gather": TRANSPORTS["pairwise" if ag_pairwise < ag_builtin else "builtin"],
-        "reduce_scatter": TRANSPORTS["pairwise" if rs_pairwise < rs_builtin else "builtin"],
-    }
-    return {"all_gather": (ag_builtin, ag_pairwise), "reduce_scatter": (rs_builtin, rs_pairwise)}

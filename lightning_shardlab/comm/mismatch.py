@@ -1,6 +1,6 @@
 """What it means for ranks to disagree on a collective, and how that is told. Nothing here communicates.
 
-Every collective has a fingerprint, ``(seq, kind, label, numel, dtype)`` (``collectives.CollectiveCall``):
+Every collective has a fingerprint, ``(seq, kind, label, numel, dtype)`` (``CollectiveCall``, comm/call.py):
 its sequence number on this rank, what it is (all_gather, reduce_scatter, ...), what it moves (a flat
 parameter is labelled by its unit and dtype, e.g. ``blocks.3[float32]``), and its size. Ranks agree when
 they issue the same fingerprints in the same order. Three checks compare them (comm/verify.py before every

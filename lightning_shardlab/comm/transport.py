@@ -3,8 +3,8 @@
 gloo's built-in all-gather and reduce-scatter move data through general algorithms that, for the
 message sizes of a unit (1-30 MB) on a few ranks, measured 2-3x slower here than simply exchanging
 the chunks directly: every rank sends each peer the chunk that peer needs and receives its own from
-each peer (``batch_isend_irecv``; one round; N-1 sends and N-1 receives). ``collectives.choose_transports``
-times both on the sizes the model will move and keeps the faster for each operation; NCCL keeps its own.
+each peer (``batch_isend_irecv``; one round; N-1 sends and N-1 receives). comm/transport_probe.py times
+both on the sizes the model will move and keeps the faster for each operation; NCCL keeps its own.
 
 Both return a ``Launched``: the works in flight and a step to run once they are done. (With verified
 collectives on gloo, comm/wire.py carries every call instead: the pairwise exchange plus a header each way.)
@@ -12,8 +12,6 @@ collectives on gloo, comm/wire.py carries every call instead: the pairwise excha
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,30 +87,3 @@ TRANSPORTS = {t.name: t for t in (Builtin, Pairwise)}
 def global_rank(group: Any, peer: int) -> int:
     """``peer``'s rank in the default group (what point-to-point calls take) from its rank in ``group``."""
     return peer if group is None else dist.get_global_rank(group, peer)
-
-
-def _seconds(run: Callable[[], Launched], repeats: int) -> float:
-    samples = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        launched = run()
-        for work in launched.works:
-            work.wait()
-        if launched.finish is not None:
-            launched.finish()
-        if i:  # the first is a warm-up
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def time_transports(numel: int, dtype: torch.dtype, group: Any, rank: int, world: int, repeats: int = 3) -> list[float]:
-    """This rank's seconds for [all-gather builtin, reduce-scatter builtin, all-gather pairwise, reduce-scatter
-    pairwise] on a flat parameter of ``numel`` elements (every rank must call it)."""
-    s = -(-numel // world)
-    shard, full = torch.ones(s, dtype=dtype), torch.ones(s * world, dtype=dtype)  # no draws from the global RNG
-    out_full, out_shard = torch.empty_like(full), torch.empty_like(shard)
-    times = []
-    for transport in (Builtin, Pairwise):
-        times.append(_seconds(lambda t=transport: t.all_gather(out_full, shard, group, rank, world), repeats))
-        times.append(_seconds(lambda t=transport: t.reduce_scatter_sum(out_shard, full, group, rank, world), repeats))
-    return times

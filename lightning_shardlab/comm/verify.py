@@ -39,7 +39,7 @@ from lightning_shardlab.comm.labels import phase
 from lightning_shardlab.comm.mismatch import GENERIC_HINT, CollectiveMismatch, Fingerprint, by_call, mismatch_message
 
 if TYPE_CHECKING:
-    from lightning_shardlab.comm.collectives import CollectiveCall
+    from lightning_shardlab.comm.call import CollectiveCall
     from lightning_shardlab.comm.ledger import Ledger
 
 LABEL_BYTES = 48

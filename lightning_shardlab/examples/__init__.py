@@ -2,4 +2,10 @@
 
 python -m lightning_shardlab.examples.finetune          # pretrain (once), then fine-tune fully sharded
 shardlab fit --config configs/gpt_finetune_cpu.yaml     # the same model and data through LightningCLI
+
+gpt.py       ``GPT``: a small nanoGPT-style LightningModule (its ``Block`` is the unit the example shards by)
+text.py      ``TextDataModule``: byte-level text, a user's file or a corpus Python ships
+finetune.py  the README's main job: pretrain at stage 2, fine-tune at stage 3, with the budget and vitals
+hf_gpt2.py   Hugging Face GPT-2 as a LightningModule (the ``hf`` extra)
+hf_local.py  loading Hugging Face files from a local directory or cache only (nothing downloaded)
 """

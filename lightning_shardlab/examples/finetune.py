@@ -29,7 +29,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_shardlab import ShardLabBudget, ShardLabStrategy, ShardLabVitals
-from lightning_shardlab.examples.gpt import GPT
+from lightning_shardlab.examples.gpt import GPT, Block
 from lightning_shardlab.examples.text import TextDataModule, decode, encode
 
 PROMPTS = ('The "while" statement\n', "Boolean operations\n", "A class definition ")
@@ -52,7 +52,7 @@ class Recipe:
 
 FULL = Recipe()
 QUICK = Recipe(
-    model=dict(n_layer=2, n_head=2, n_embd=32, block_size=32),
+    model=dict(n_layer=4, n_head=2, n_embd=32, block_size=32),  # 4 blocks: stage 3 gathers 2 at a time
     batch_size=8,
     pretrain_steps=40,
     finetune_steps=30,
@@ -69,12 +69,21 @@ def report(*lines: str) -> None:
     print(*lines, sep="\n", flush=True)
 
 
-def make_trainer(recipe: Recipe, stage: int, steps: int, logs: Path, *callbacks: L.Callback) -> L.Trainer:
+RANKS = 2
+
+
+def make_trainer(
+    recipe: Recipe, stage: int, steps: int, data: TextDataModule, logs: Path, *callbacks: L.Callback
+) -> L.Trainer:
+    # unit_classes=[Block]: one unit per transformer block, so stage 3 gathers one block at a time (the budget's
+    # "units:" line says so). The default would merge these small blocks into one bucket, a unit the size of
+    # the model: right for speed at this size, but it would show nothing of per-unit gathering.
     return L.Trainer(
         accelerator="cpu",
-        devices=2,
-        strategy=ShardLabStrategy(stage=stage, state_dict_type="full"),
+        devices=RANKS,
+        strategy=ShardLabStrategy(stage=stage, state_dict_type="full", unit_classes=[Block]),
         max_steps=steps,
+        max_epochs=-(-steps // data.batches_per_epoch(RANKS)),  # the progress bar's total: the epochs max_steps spans
         val_check_interval=min(recipe.val_every, steps),
         limit_val_batches=recipe.val_batches,
         num_sanity_val_steps=0,
@@ -128,7 +137,8 @@ def pretrain(recipe: Recipe, ckpt: Path) -> None:
     report(f"\n=== 1. pretraining on stdlib docstrings (stage 2, 2 ranks) -> {ckpt} ===")
     model = GPT(**recipe.model, lr=recipe.pretrain_lr)
     data = data_for(recipe, "stdlib_docstrings")
-    trainer = make_trainer(recipe, stage=2, steps=recipe.pretrain_steps, logs=ckpt.parent)
+    report(f"data: {data.fingerprint()}")
+    trainer = make_trainer(recipe, 2, recipe.pretrain_steps, data, ckpt.parent)
     trainer.fit(model, datamodule=data)
     report(f"pretrained: validation perplexity on stdlib docstrings {perplexity(trainer, model, data):.2f}")
     save_full_checkpoint(trainer, ckpt)
@@ -140,8 +150,9 @@ def finetune(recipe: Recipe, init_from: Path, out: Path) -> tuple[float, float]:
         **recipe.model, lr=recipe.finetune_lr, warmup_steps=recipe.finetune_steps // 10, init_from=str(init_from)
     )
     data = data_for(recipe, "python_topics")
+    report(f"data: {data.fingerprint()}")
     vitals = ShardLabVitals(every_n_steps=5, dashboard_dir=str(out / "vitals"))  # every rank's signs, overlaid
-    trainer = make_trainer(recipe, 3, recipe.finetune_steps, out, vitals)
+    trainer = make_trainer(recipe, 3, recipe.finetune_steps, data, out, vitals)
     before = perplexity(trainer, model, data)
     show_samples("before fine-tuning", samples(model, recipe.new_tokens))
     trainer.fit(model, datamodule=data)

@@ -15,8 +15,10 @@ For a pretrained model with its own vocabulary (GPT-2's, say), ``tokenizer`` nam
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
+import platform
 from pathlib import Path
 from types import ModuleType
 
@@ -254,11 +256,30 @@ class TextDataModule(L.LightningDataModule):
                     " HINT: use a longer text, a smaller block_size, or adjust val_fraction."
                 )
 
+    def fingerprint(self) -> str:
+        """The text this data reads, in one line: a built-in corpus comes from this interpreter's standard
+        library, so another Python version trains on another text (and prints other perplexities)."""
+        self.setup("fit")
+        assert self.train_tokens is not None and self.val_tokens is not None
+        tokens = torch.cat([self.train_tokens, self.val_tokens])
+        digest = hashlib.sha256(tokens.numpy().tobytes()).hexdigest()[:12]
+        where = self.hparams.path or f"{self.hparams.source} of Python {platform.python_version()}"
+        return f"{where}: {len(tokens):,} tokens, sha256 {digest}"
+
+    def train_samples(self) -> int:
+        """Training blocks per epoch (the text is read on first use)."""
+        self.setup("fit")
+        assert self.train_tokens is not None
+        return self.hparams.train_samples or len(self.train_tokens) // self.hparams.block_size
+
+    def batches_per_epoch(self, world_size: int) -> int:
+        """Training batches per rank per epoch: Lightning's DistributedSampler gives each of ``world_size`` ranks
+        ``ceil(samples / world_size)`` blocks, and the loader drops the last incomplete batch."""
+        return max(-(-self.train_samples() // world_size) // self.hparams.batch_size, 1)
+
     def train_dataloader(self) -> DataLoader:
         assert self.train_tokens is not None
-        block = self.hparams.block_size
-        samples = self.hparams.train_samples or len(self.train_tokens) // block
-        dataset = RandomBlocks(self.train_tokens, block, samples, self.hparams.seed)
+        dataset = RandomBlocks(self.train_tokens, self.hparams.block_size, self.train_samples(), self.hparams.seed)
         return DataLoader(
             dataset, self.hparams.batch_size, shuffle=True, drop_last=True, num_workers=self.hparams.num_workers
         )

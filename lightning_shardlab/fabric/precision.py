@@ -1,4 +1,4 @@
-"""Fabric's precision plugin: the recipe of precision.py on Fabric's hooks.
+"""Fabric's precision plugin: the recipe of common/precision.py on Fabric's hooks.
 
 ``Fabric(precision="bf16-mixed")`` (or "32-true", "16-mixed", "bf16-true") becomes a
 ``ShardLabFabricPrecision``; the strategy converts what Fabric chose (``fabric_precision``). Under "16-mixed"
@@ -14,7 +14,7 @@ from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Pr
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shardlab.precision import PrecisionRecipe, convert_plugin
+from lightning_shardlab.common.precision import PrecisionRecipe, convert_plugin
 
 
 class ShardLabFabricPrecision(PrecisionRecipe):

@@ -38,11 +38,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shardlab.checkpoint import fabric_state
-from lightning_shardlab.checkpoint import io as ckpt
+from lightning_shardlab.checkpoint import save_load as ckpt
 from lightning_shardlab.checkpoint.rank_state import Owners
 from lightning_shardlab.comm.collectives import Comm
-from lightning_shardlab.config import Accumulation
-from lightning_shardlab.distributed import OPTIONS_DOC, ShardLabDistributed, check_option_names, options_to_configs
+from lightning_shardlab.common.distributed import ShardLabDistributed
+from lightning_shardlab.common.options import OPTIONS_DOC, check_option_names, options_to_configs, with_options
+from lightning_shardlab.core.config import Accumulation
 from lightning_shardlab.fabric.precision import ShardLabFabricPrecision, fabric_precision
 from lightning_shardlab.sharding.build import shard_model
 from lightning_shardlab.sharding.gathered import Modules, gathered_params
@@ -65,6 +66,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
         + OPTIONS_DOC
     )
 
+    @with_options
     def __init__(
         self,
         accelerator: Accelerator | None = None,
@@ -84,11 +86,11 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision)
         self._backward_sync_control = _NoBackwardSync(self)
         self.comm: Comm | None = None
-        self.sharded: dict[int, ShardedModel] = {}  # id(module) -> its sharded model
+        self.sharded_models: dict[int, ShardedModel] = {}  # id(module) -> its sharded model
         self._optimizers: dict[int, ShardedModel] = {}  # id(optimizer) -> the sharded model it steps
         self._replaced: dict[int, tuple[weakref.ref, Tensor]] = {}  # id(original param) -> (it, what replaced it)
 
-    # ---- devices, ranks, process group (distributed.py) ----
+    # ---- devices, ranks, process group (common/distributed.py) ----
 
     @override
     def _configure_launcher(self) -> None:
@@ -147,7 +149,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
     @override
     def module_to_device(self, module: nn.Module) -> None:
         # once sharded, the flat parameters live on the device; meta parameters are built there
-        if id(module) not in self.sharded and not has_meta(module):
+        if id(module) not in self.sharded_models and not has_meta(module):
             module.to(self.root_device)
 
     @override
@@ -160,7 +162,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
         self.comm = sharded.comm
         if self.sanity_config.verify_collectives:
             sharded.verify_collectives()
-        self.sharded[id(module)] = sharded
+        self.sharded_models[id(module)] = sharded
         plugin.sharded = sharded
         # an optimizer made before the module was sharded holds its original parameters: remember their names
         now = dict(module.named_parameters(remove_duplicate=False))
@@ -186,7 +188,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
 
     def _owner_of(self, optimizer: Optimizer) -> ShardedModel:
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for sharded in self.sharded.values():
+        for sharded in self.sharded_models.values():
             if params & set(sharded.master_params_by_id()):
                 return sharded
         raise ValueError(
@@ -200,25 +202,25 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
         """The sharded model of ``module`` (a module set up by this strategy, or the Fabric wrapper of one;
         None: the only one). What the sanity guard, the budget and the vitals read."""
         module = getattr(module, "_forward_module", module)
-        if module is None and len(self.sharded) == 1:
-            return next(iter(self.sharded.values()))
-        if module is not None and id(module) in self.sharded:
-            return self.sharded[id(module)]
+        if module is None and len(self.sharded_models) == 1:
+            return next(iter(self.sharded_models.values()))
+        if module is not None and id(module) in self.sharded_models:
+            return self.sharded_models[id(module)]
         raise ValueError(
             f"{type(module).__name__ if module is not None else 'no module'} is not set up by the shardlab strategy"
-            f" ({len(self.sharded)} modules are). HINT: `model = fabric.setup(model, ...)` and pass that model."
+            f" ({len(self.sharded_models)} modules are). HINT: `model = fabric.setup(model, ...)` and pass that model."
         )
 
     # ---- steps ----
 
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        sharded = self.sharded_model(module) if module is not None or len(self.sharded) == 1 else None
+        sharded = self.sharded_model(module) if module is not None or len(self.sharded_models) == 1 else None
         tensor = self.precision.pre_backward(tensor, module)
         if sharded is not None:
             sharded.prepare_backward(tensor)
         else:  # several models: the root of every model announces itself when backward reaches it
-            for each in self.sharded.values():
+            for each in self.sharded_models.values():
                 each.prepare_backward(tensor)
         self.precision.backward(tensor, module, *args, **kwargs)
         self.precision.post_backward(tensor, module)
@@ -246,7 +248,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
 
     @override
     def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        """``fabric.all_reduce``: verified, counted and watched like every collective (distributed.py)."""
+        """``fabric.all_reduce``: verified, counted and watched like every collective (common/distributed.py)."""
         return self.reduce_tensor(tensor, group, reduce_op, "fabric all_reduce")
 
     # ---- weights and checkpoints (checkpoint/fabric_state.py lays Fabric's state out like a Trainer's) ----
@@ -336,7 +338,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
 
     @override
     def teardown(self) -> None:
-        for sharded in self.sharded.values():
+        for sharded in self.sharded_models.values():
             sharded.wait_gathers()  # the refresh after the last optimizer step may still be travelling
         super().teardown()
 

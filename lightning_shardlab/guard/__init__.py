@@ -1,7 +1,7 @@
 """The sanity guard: catches the distributed bugs that are otherwise silent (docs/sanity.md).
 
 One rank crashing, ranks hanging on a collective, ranks issuing different collectives, replicas quietly
-diverging, ranks reading the same data. ``SanityGuard`` (guard.py) wires the pieces together for one
+diverging, ranks reading the same data. ``SanityGuard`` (sanity_guard.py) wires the pieces together for one
 sharded model; ``ShardLabSanity`` (callback.py) drives it from the Trainer, and the strategy adds one by
 default. The guard never imports the strategy. Each piece lives in its own file:
 
@@ -10,7 +10,7 @@ default. The guard never imports the strategy. Each piece lives in its own file:
     watchdog.py      hangs, failed and killed ranks: ends the run on every rank with a report (report.py)
     side_channel.py  the rendezvous store as a channel that works while the process group is stuck
     orderly_stop.py  SIGTERM on any rank stops every rank after the same step
-    guard.py         ``SanityConfig`` and ``SanityGuard``
+    sanity_guard.py  ``SanityConfig`` and ``SanityGuard``
     callback.py      ``ShardLabSanity``
 
 A plain loop::

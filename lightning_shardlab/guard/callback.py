@@ -1,4 +1,4 @@
-"""``ShardLabSanity``: every sanity check (guard/guard.py) for ``Trainer(strategy=ShardLabStrategy(...))``.
+"""``ShardLabSanity``: every sanity check (guard/sanity_guard.py) for ``Trainer(strategy=ShardLabStrategy(...))``.
 
     trainer = L.Trainer(strategy=ShardLabStrategy(stage=3), devices=2,
                         callbacks=[ShardLabSanity(every_n_steps=10, collective_timeout_s=300)])
@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_shardlab.guard.guard import SanityConfig, SanityGuard
+from lightning_shardlab.guard.sanity_guard import SanityConfig, SanityGuard
 from lightning_shardlab.sharding.sharded_model import sharded_model_of
 
 

@@ -27,7 +27,8 @@ from collections import deque
 import torch
 
 from lightning_shardlab.comm import collectives
-from lightning_shardlab.comm.collectives import CollectiveCall, CollectiveObserver, Comm
+from lightning_shardlab.comm.call import CollectiveCall, CollectiveObserver
+from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.comm.mismatch import (
     GENERIC_HINT,
     CollectiveMismatch,

@@ -43,9 +43,12 @@ class OrderlyStop:
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
 
     def uninstall(self) -> None:
-        if self._previous is not None:
+        """Give SIGTERM back, unless another handler took it since (Lightning restores its own original at
+        teardown, before callbacks tear down: putting back the handler seen at install would reinstate a
+        finished Trainer's handler, and with it keep that Trainer and its model alive)."""
+        if self._previous is not None and signal.getsignal(signal.SIGTERM) == self._on_signal:
             signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        self._previous = None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.signalled = signal.Signals(signum).name

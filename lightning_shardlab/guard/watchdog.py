@@ -38,7 +38,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_shardlab.comm.collectives import CollectiveCall, CollectiveObserver, Comm
+from lightning_shardlab.comm.call import CollectiveCall, CollectiveObserver
+from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.comm.mismatch import SanityError
 from lightning_shardlab.guard import report
 from lightning_shardlab.guard.side_channel import SideChannel, first, process_gone, put, read, this_process

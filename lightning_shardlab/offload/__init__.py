@@ -1,6 +1,6 @@
 """Offload: master shards and optimizer state live below the device, in host memory or on disk.
 
-``offload='cpu'`` (host.py, a GPU run) and ``offload='disk'`` (disk.py, files.py, stepping.py: any run, the
+``offload='cpu'`` (host.py, a GPU run) and ``offload='disk'`` (disk.py, mapped_files.py, stepping.py: any run, the
 CPU's included) keep the engine's tensors and arithmetic; only where the master shards and the optimizer
 state live changes, so an offloaded run equals one without offload. ``setup_offload`` is what both
 strategies call once the optimizers are sharded; space.py checks ``offload_dir`` before training.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch.optim import Optimizer
 
-from lightning_shardlab.config import ShardLabConfig
+from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.offload.disk import DiskOffload
 from lightning_shardlab.offload.host import HostOffload
 from lightning_shardlab.offload.space import agree_space, bytes_needed, check_writable

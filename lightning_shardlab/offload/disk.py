@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shardlab.offload.files import FileTier
+from lightning_shardlab.offload.mapped_files import FileTier
 from lightning_shardlab.offload.stepping import Chunks, step_in_chunks
 from lightning_shardlab.sharding.flat_param import FlatParam
 from lightning_shardlab.sharding.optimizer import is_per_element, masters_in_place

@@ -24,6 +24,7 @@ class HostOffload:
     """The host tier of one sharded model (a GPU run): masters and optimizer state in host memory."""
 
     tier = "host"
+    step_seconds = 0.0  # the host tier's steps are not timed apart
 
     def __init__(self, sharded: ShardedModel) -> None:
         self.sharded = sharded
@@ -48,3 +49,6 @@ class HostOffload:
 
     def settle_all(self, optimizer: Optimizer) -> None:
         """After ``load_state_dict``: the state was made beside the (host) master views already."""
+
+    def state_file(self, optimizer: Optimizer, fp: FlatParam, key: str) -> Tensor | None:
+        return None  # host memory: no file to write a checkpoint from

@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.collectives import Comm
-from lightning_shardlab.offload.files import OffloadSpaceError
+from lightning_shardlab.offload.mapped_files import OffloadSpaceError
 from lightning_shardlab.sharding.flat_param import FlatParam
 from lightning_shardlab.sharding.optimizer import OptimizerShape
 

@@ -3,14 +3,14 @@
 In the order a step meets them:
 
     flat_param.py       ``FlatParamLayout`` and ``FlatParam``: the tensors of one unit laid out flat, sharded
-    iteration.py        evidence, read from a forward's source, that it runs every block of a container
+    always_runs.py      evidence, read from a forward's source, that it runs every block of a container
     policy.py           which modules become units, and buckets of small blocks
     materialize.py      meta-device modules built unit by unit
     same_layout.py      setup's check that every rank built the same model; what the policy declined
     unit.py             one unit's state machine: gather, free, reduce gradients
     hooks.py            the forward and backward hooks that drive the units
     gradients.py        flat gradients, grad shards, and what the optimizer sees
-    usage.py            the ranks' agreement on which parameters got gradients
+    unused_params.py    the ranks' agreement on which parameters got gradients
     divergent_units.py  what a collective mismatch between units means, and the fix
     build.py            ``shard_model``: a module made into units of flat parameters, in place
     sharded_model.py    ``ShardedModel``: the units of one module, a step, the refresh after it
@@ -19,4 +19,5 @@ In the order a step meets them:
                         master shards; the global gradient norm
     gathered.py         full weights between steps for the user (``gathered_params``)
     averages.py         the sharded exponential average of the master shards (EMA)
+    offload_tier.py     what the engine asks of an offload tier (offload/ implements it)
 """

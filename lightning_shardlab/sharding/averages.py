@@ -1,6 +1,6 @@
 """Averaged weights, kept sharded: each rank averages its own master shards (no communication per update).
 
-``Averages`` is the state; ``ShardLabEMA`` (ema.py) decides when to update it. The update is torch's
+``Averages`` is the state; ``ShardLabEMA`` (trainer/ema.py) decides when to update it. The update is torch's
 ``AveragedModel`` with ``get_ema_avg_fn(decay)``, applied to this rank's slice: the first update copies
 the weights, later ones compute ``decay * average + (1 - decay) * weights``. Both are elementwise, so the
 slices of the unsharded average and the averages of the slices are the same numbers, bit for bit.

@@ -18,7 +18,8 @@ from torch import Tensor, nn
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.comm.mesh import Mesh
-from lightning_shardlab.config import PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.comm.transport_probe import PROBE_NUMEL, choose_transports
+from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding import hooks
 from lightning_shardlab.sharding.flat_param import FlatParam, FlatParamLayout, stub
 from lightning_shardlab.sharding.materialize import has_meta, materialize
@@ -28,8 +29,9 @@ from lightning_shardlab.sharding.same_layout import check_same_layout, warn_decl
 from lightning_shardlab.sharding.sharded_model import ShardedModel, broadcast_buffers
 from lightning_shardlab.sharding.unit import Unit
 
-TRANSPORT_PROBE_NUMEL = 8 * 2**20  # the transports are timed on the biggest flat parameter, up to this size
-_SHARDED: weakref.WeakKeyDictionary[nn.Module, ShardedModel] = weakref.WeakKeyDictionary()
+# module -> its ShardedModel, both held weakly: the module's hooks hold the ShardedModel, which holds the module, so
+# a strong value here would keep every sharded model alive for good (a process that fits twice held both)
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ShardedModel]] = weakref.WeakKeyDictionary()
 
 
 def shard_model(
@@ -43,7 +45,7 @@ def shard_model(
     4. give each parameter its stub (stage 3) or its view of the full buffer (stages 1-2).
     """
     policy = policy or PrecisionPolicy()
-    existing = _SHARDED.get(module)
+    existing = _SHARDED[module]() if module in _SHARDED else None
     world = comm.world if isinstance(comm, Mesh) else comm
     if existing is not None:
         if existing.config == config and existing.policy == policy and existing.comm.world_size == world.world_size:
@@ -71,8 +73,8 @@ def shard_model(
     }
     biggest = max((fp for fps in flat.values() for fp in fps), key=lambda fp: fp.layout.padded_numel, default=None)
     if biggest is not None:
-        numel = min(biggest.layout.padded_numel, TRANSPORT_PROBE_NUMEL)
-        shard.transport_times = collectives.choose_transports(shard, numel, biggest.compute_dtype, config.transport)
+        numel = min(biggest.layout.padded_numel, PROBE_NUMEL)
+        shard.transport_times = choose_transports(shard, numel, biggest.compute_dtype, config.transport)
         mesh.reshard.transports = dict(shard.transports)
     pairs = [(fp, group) for path in unit_paths for fp, (_, group) in zip(flat[path], groups[path])]
     load = functools.partial(_load_from_rank_0, comm=world)
@@ -104,7 +106,7 @@ def shard_model(
     for unit in units:
         hooks.install(sharded, unit)
     module.register_state_dict_post_hook(refuse_placeholders)
-    _SHARDED[module] = sharded
+    _SHARDED[module] = weakref.ref(sharded)
     return sharded
 
 

@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.collectives import Comm
-from lightning_shardlab.config import import_path
+from lightning_shardlab.core.config import class_path
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 ELEMENTWISE: tuple[type[Optimizer], ...] = (
@@ -121,16 +121,16 @@ def is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
     return isinstance(value, Tensor) and key != "step" and value.shape == shape
 
 
-def check_elementwise(optimizer: Optimizer, extra: tuple[str, ...] = ()) -> None:
-    """Raise ``ValueError`` unless a step on a shard equals the same slice of an unsharded step."""
+def check_elementwise(optimizer: Optimizer, extra: tuple[type[Optimizer], ...] = ()) -> None:
+    """Raise ``ValueError`` unless a step on a shard equals the same slice of an unsharded step (``extra``: the
+    classes of the ``elementwise_optimizers`` option)."""
     cls = type(optimizer)
-    allowed = ELEMENTWISE + tuple(import_path(p, "elementwise_optimizers") for p in extra)
-    if cls in allowed:
+    if cls in ELEMENTWISE + tuple(extra):
         return
     hint = (
         " HINT: use an elementwise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...) or, if each element's"
         " update depends only on its own value, gradient and state, list the class in"
-        f" elementwise_optimizers=['{cls.__module__}.{cls.__qualname__}']."
+        f" elementwise_optimizers=['{class_path(cls)}']."
     )
     if cls.__name__ in NOT_ELEMENTWISE:
         raise ValueError(

@@ -3,7 +3,7 @@
 A unit is gathered, computed and freed as one piece, so every rank must run it in each step or none
 may. The default gives transformer-style models one unit per repeated block: every child of the
 outermost ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` whose children (two or more) share
-one class and own parameters, when the code shows that every forward runs all of them (sharding/iteration.py).
+one class and own parameters, when the code shows that every forward runs all of them (sharding/always_runs.py).
 Blocks whose execution may depend on the data (mixture-of-experts experts, a list indexed by the
 step) stay inside the enclosing unit. ``unit_classes`` replaces all that with "every module of these
 classes", the user's word. The root module is always a unit and owns whatever no other unit owns.
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_shardlab.config import ShardLabConfig
+from lightning_shardlab.core.config import ShardLabConfig
+from lightning_shardlab.sharding.always_runs import always_runs_every_block
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
-from lightning_shardlab.sharding.iteration import always_runs_every_block
 
 
 @dataclass
@@ -73,7 +73,7 @@ class UnitChoice:
 
 def _repeated_blocks(root: nn.Module) -> UnitChoice:
     """The children of the outermost containers of two or more same-class blocks that every forward runs
-    (sharding/iteration.py); containers without that evidence are declined, and nothing inside them is a unit."""
+    (sharding/always_runs.py); containers without that evidence are declined, and nothing inside them is a unit."""
     choice = UnitChoice([])
 
     def visit(module: nn.Module, path: str) -> None:
@@ -95,12 +95,12 @@ def _repeated_blocks(root: nn.Module) -> UnitChoice:
 
 def choose_units(root: nn.Module, config: ShardLabConfig) -> UnitChoice:
     """The units: every module of ``config.unit_classes`` (the user's word), else the default policy."""
-    if config.unit_types:
-        choice = UnitChoice([path for path, m in root.named_modules() if path and isinstance(m, config.unit_types)])
+    if config.unit_classes:
+        choice = UnitChoice([path for path, m in root.named_modules() if path and isinstance(m, config.unit_classes)])
     else:
         choice = _repeated_blocks(root)
     big_enough = [p for p in choice.paths if _numel(root.get_submodule(p)) >= max(config.min_unit_params, 1)]
-    if config.unit_types or not config.unit_bucket_params:
+    if config.unit_classes or not config.unit_bucket_params:
         return UnitChoice([""] + big_enough, choice.declined)
     members = bucket_blocks(root, big_enough, config.unit_bucket_params)
     return UnitChoice([""] + list(members), choice.declined, {k: v for k, v in members.items() if len(v) > 1})

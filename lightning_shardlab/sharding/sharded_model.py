@@ -14,7 +14,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -23,11 +23,15 @@ from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.comm.labels import phase
 from lightning_shardlab.comm.mesh import Mesh
-from lightning_shardlab.config import PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding import divergent_units, gradients, hooks
 from lightning_shardlab.sharding.flat_param import FlatParam, FlatParamLayout
 from lightning_shardlab.sharding.unit import TrainingState, Unit, UnitState
-from lightning_shardlab.sharding.usage import UsageAgreement
+from lightning_shardlab.sharding.unused_params import UsageAgreement
+
+if TYPE_CHECKING:
+    from lightning_shardlab.sharding.averages import Averages
+    from lightning_shardlab.sharding.offload_tier import OffloadTier
 
 MAX_REDUCTIONS_IN_FLIGHT = 1  # more overlap more, but each holds its unit's whole flat gradient alive
 
@@ -44,8 +48,8 @@ class ShardedModel:
         self.mesh = mesh
         self.comm = mesh.world  # agreements, buffers, checkpoints' plans; the flat parameters move in mesh.shard
         self.policy = policy
-        self.averages: Any = None  # averaged weights (averages.Averages), kept while ShardLabEMA runs
-        self.offload: Any = None  # where masters and optimizer state live when offloaded (offload/), else None
+        self.averages: Averages | None = None  # the averaged weights, kept while ShardLabEMA runs
+        self.offload: OffloadTier | None = None  # where masters and optimizer state live when offloaded (offload/)
         # called with (unit, flat param, flat grad) for each reduction, before the grads are averaged
         self.grad_observers: list[Callable[[Unit, FlatParam, Tensor], None]] = []
         self._sync = True  # reduce gradients in this backward (False inside no_sync())
@@ -217,7 +221,7 @@ class ShardedModel:
 
     def _finish_backward(self) -> None:
         """End of backward: 1. finish units with no post-backward  2. reduce the rest, and launch the agreement
-        on which parameters were used (sharding/usage.py)  3. wait, attach grads."""
+        on which parameters were used (sharding/unused_params.py)  3. wait, attach grads."""
         for unit in reversed(self.units):
             if unit.training is TrainingState.BACKWARD:
                 self.post_backward(unit)
@@ -291,7 +295,7 @@ class ShardedModel:
                 continue
             headers.know(*names, *(f"{what} {n}" for n in names for what in ("state_dict", "optimizer state")))
             headers.explain = functools.partial(
-                divergent_units.explain, self.module, units, bool(self.config.unit_types)
+                divergent_units.explain, self.module, units, bool(self.config.unit_classes)
             )
 
     def broadcast_buffers(self) -> None:

@@ -52,7 +52,7 @@ class Unit:
     ``training`` (``TrainingState``) says where its gradients are:
     IDLE -> BACKWARD (pre-backward) -> GRADS_PENDING (post-backward) -> REDUCING (reduce-scatters launched) ->
     IDLE (the reduced gradients are shown to the optimizer). The sharded model moves both; every collective
-    the unit launches goes through its mesh: ``comm`` (the shard group), ``mesh.replica``, ``mesh.reshard``.
+    the unit launches goes through its mesh: ``shard_group`` (``mesh.shard``), ``mesh.replica``, ``mesh.reshard``.
     """
 
     def __init__(
@@ -74,7 +74,7 @@ class Unit:
         self.awaiting_post_backward = 0
         self.flat_params = flat_params
         self.mesh = mesh
-        self.comm = mesh.shard  # the all-gathers and reduce-scatters of the flat parameters
+        self.shard_group = mesh.shard  # the all-gathers and reduce-scatters of the flat parameters
         self.rank = mesh.world.rank  # for messages: the rank as the user knows it
         # Stage 3 shards parameters at rest; stages 1-2 keep every unit UNSHARDED for good.
         self.reshard_at_rest = reshard_at_rest
@@ -108,9 +108,9 @@ class Unit:
             for fp in self.flat_params:
                 if fp.gathers:
                     fp.alloc_full()
-                    self.comm.ledger.track_gathered(fp.full.untyped_storage().nbytes())
+                    self.shard_group.ledger.track_gathered(fp.full.untyped_storage().nbytes())
                     source, comm = (
-                        (fp.shard, self.comm) if fp.group_shard is None else (fp.group_shard, self.mesh.reshard)
+                        (fp.shard, self.shard_group) if fp.group_shard is None else (fp.group_shard, self.mesh.reshard)
                     )
                     self._gathering.append(
                         collectives.all_gather(fp.full, source, comm, label=fp.layout.name, async_op=True)
@@ -158,15 +158,15 @@ class Unit:
         for fp in self.flat_params:
             if regroup and fp.gathers:
                 fp.keep_group_shard(self.mesh.reshard.rank, self.mesh.reshard.world_size)
-                self.comm.ledger.track_gathered(fp.group_shard.untyped_storage().nbytes())
+                self.shard_group.ledger.track_gathered(fp.group_shard.untyped_storage().nbytes())
             if fp.gathers and storage_is_allocated(fp.full):
-                self.comm.ledger.track_gathered(-fp.full.untyped_storage().nbytes())
+                self.shard_group.ledger.track_gathered(-fp.full.untyped_storage().nbytes())
                 fp.free_full()
 
     def _drop_group_shards(self) -> None:
         for fp in self.flat_params:
             if fp.group_shard is not None:
-                self.comm.ledger.track_gathered(-fp.group_shard.untyped_storage().nbytes())
+                self.shard_group.ledger.track_gathered(-fp.group_shard.untyped_storage().nbytes())
                 fp.group_shard = None
 
     # ---- gradients ----
@@ -192,7 +192,7 @@ class Unit:
         for fp in self.grad_flat_params:
             flat = gradients.flat_grad(fp)  # 1-D, padded_numel, reduce dtype
             new_shard = torch.empty(fp.layout.shard_numel, dtype=flat.dtype, device=flat.device)  # 1-D, S
-            pending = collectives.reduce_scatter(new_shard, flat, self.comm, label=fp.layout.name, async_op=True)
+            pending = collectives.reduce_scatter(new_shard, flat, self.shard_group, label=fp.layout.name, async_op=True)
             self._pending.append((fp, flat, new_shard, pending))
             launched.append((fp, flat))
             for param in fp.params:
@@ -240,7 +240,7 @@ class Unit:
         for fp in self.flat_params:
             if fp in stepped and (fp.resident_full or fp.gathers):
                 self._gathering.append(
-                    collectives.all_gather(fp.full, fp.shard, self.comm, label=fp.layout.name, async_op=True)
+                    collectives.all_gather(fp.full, fp.shard, self.shard_group, label=fp.layout.name, async_op=True)
                 )
 
     # ---- full copies for the user (sharding/gathered.py) ----

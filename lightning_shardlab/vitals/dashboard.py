@@ -27,8 +27,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 GLOBAL = "grad_norm"  # the norm of the averaged gradient: the same on every rank
 LINEAR = ("loss", "act_mean")  # signals that may be negative; the rest are compared in log10
@@ -115,49 +119,56 @@ def find_outliers(history: VitalsHistory, z: float = 6.0) -> list[Outlier]:
 # ---- rendering ----
 
 
-def render_png(history: VitalsHistory, outliers: list[Outlier], path: Path, max_units: int = 8) -> None:
+UNIT_SIGNALS = (
+    ("act_std", "activation std"),
+    ("act_absmax", "activation max |x|"),
+    ("grad_norm_local", "gradient norm,\nthis rank's own"),
+    ("update_ratio", "update ratio |Δw|/|w|\n(all ranks)"),
+)
+
+
+def panel_grid(n_units: int) -> tuple[int, int, list[tuple[int, int, int]]]:
+    """Rows, columns and each panel's (row, first column, columns spanned), in drawing order: the loss and the
+    gradient norm, then each unit signal for each unit. Several units: a row per signal, a column per unit, the
+    top row split between the two run-wide panels. One unit: its four panels and the two run-wide ones fill
+    a 2 x 3 grid, so no cell is left empty."""
+    if n_units <= 1:
+        return 2, 3, [(k // 3, k % 3, 1) for k in range(2 + len(UNIT_SIGNALS) * n_units)]
+    half = n_units // 2
+    top = [(0, 0, half), (0, half, n_units - half)]
+    return 1 + len(UNIT_SIGNALS), n_units, top + [(i, j, 1) for i in range(1, 5) for j in range(n_units)]
+
+
+def render_png(history: VitalsHistory, outliers: list[Outlier], path: Path, max_units: int = 8) -> Figure:
+    """The dashboard's figure, saved to ``path``; returned for a look at its layout."""
     from matplotlib import colormaps  # no pyplot: nothing global changes in the user's process
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
     units = _pick(history.units(), max_units)
-    rows = [
-        ("act_std", "activation std"),
-        ("act_absmax", "activation max |x|"),
-        ("grad_norm_local", "gradient norm, this rank's own"),
-        ("update_ratio", "update ratio |Δw|/|w| (all ranks)"),
-    ]
-    cols = max(len(units), 2)
-    fig = Figure(figsize=(3.2 * cols, 2.6 * (1 + len(rows))), layout="constrained")
-    grid = fig.add_gridspec(1 + len(rows), cols)
+    rows, cols, cells = panel_grid(len(units))
+    fig = Figure(figsize=(3.4 * cols, 2.6 * rows + 0.8), layout="constrained")
+    grid = fig.add_gridspec(rows, cols)
+    axes = [fig.add_subplot(grid[r, c : c + span]) for r, c, span in cells]
     colors = colormaps["tab10"]
     marks = {(o.signal, o.rank, o.step) for o in outliers}
-    half = cols // 2
-    _panel(fig.add_subplot(grid[0, :half]), history, "loss", "loss", colors, marks, log=False)
-    ax = _panel(
-        fig.add_subplot(grid[0, half:]),
-        history,
-        "grad_norm_local",
-        "gradient norm: each rank's own, averaged (black)",
-        colors,
-        marks,
-        log=True,
-    )
+    _panel(axes[0], history, "loss", "loss", colors, marks, log=False)
+    title = "gradient norm: each rank's own,\naveraged (black)"
+    _panel(axes[1], history, "grad_norm_local", title, colors, marks, log=True)
     if GLOBAL in history.signals:
-        ax.plot(
+        axes[1].plot(
             history.steps, history.series(GLOBAL)[:, 0], color="black", linestyle="--", linewidth=1.2, label="global"
         )
-    for i, (prefix, title) in enumerate(rows, start=1):
-        for j, unit in enumerate(units):
-            _panel(
-                fig.add_subplot(grid[i, j]), history, f"{prefix}/{unit}", f"{title}\n{unit}", colors, marks, log=True
-            )
+    panels = [(f"{prefix}/{unit}", f"{title} ({unit})") for prefix, title in UNIT_SIGNALS for unit in units]
+    for ax, (signal, title) in zip(axes[2:], panels):
+        _panel(ax, history, signal, title, colors, marks, log=True)
     handles = [Line2D([], [], color=colors(r % 10), label=f"rank {r}") for r in range(history.world_size)]
     handles.append(Line2D([], [], color="black", label="the same on every rank"))
     handles.append(Line2D([], [], color="red", marker="x", linestyle="", label="outlier"))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 9))
     fig.suptitle(history.title)
     fig.savefig(path, dpi=90)
+    return fig
 
 
 def _pick(units: list[str], n: int) -> list[str]:

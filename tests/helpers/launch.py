@@ -4,6 +4,13 @@ Every run has a hard wall clock, uses a free port, kills every other rank as soo
 and leaves no process behind: each rank runs in its own session and the whole group is killed.
 Ranks find each other the way torchrun / Lightning's launcher would tell them (MASTER_ADDR,
 MASTER_PORT, WORLD_SIZE, NODE_RANK, LOCAL_RANK, RANK), so ``Trainer(devices=N)`` joins as is.
+
+Starting a rank costs seconds (torch and Lightning imports), most of what a short test takes, so a run that
+expects to succeed goes to a *kept world* (tests/helpers/worlds.py): N ranks started once per world size and
+reused by the tests after it, one job at a time, each job with a fresh port and the environment as it was. A
+job that fails or passes its timeout ends its world (the next job starts a new one). Runs that expect a rank
+to fail, that set their own environment, or that measure the process itself (``fresh=True``: peak memory,
+live tensors) start their own processes as before.
 """
 
 from __future__ import annotations
@@ -52,6 +59,31 @@ def _kill(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
+def rank_env(rank: int, world_size: int, port: int, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment torchrun would give ``rank`` of a one-node world on localhost."""
+    return {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world_size),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "NODE_RANK": "0",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONWARNINGS": "ignore",
+        **(env or {}),
+    }
+
+
+def spawn(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """``command`` in a session of its own (so its whole group can be killed), its output into ``log``."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+        )
+
+
 def run_ranks(
     target: str,
     world_size: int,
@@ -59,42 +91,26 @@ def run_ranks(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
     expect_failure: bool = False,
+    fresh: bool = False,
 ) -> list[Any]:
     """Run ``target`` ("module:function") as ``function(**kwargs)`` on ``world_size`` ranks.
 
     Returns each rank's return value (rank order). If a rank fails or the run passes ``timeout``
     seconds, every rank is killed and ``RankFailed`` names the rank with its log. With
     ``expect_failure=True`` all ranks run to their end and the logs come back as ``{rank: text}``.
+    Unless ``fresh``, ``env`` or ``expect_failure`` is given, the run goes to the kept world of its size.
     """
+    if not (fresh or env or expect_failure) and os.environ.get("SHARDLAB_TEST_FRESH_WORLDS") != "1":
+        from tests.helpers.worlds import kept_world
+
+        return kept_world(world_size).run(target, kwargs or {}, timeout)
     out = Path(tempfile.mkdtemp(prefix="shardlab-test-"))
     (out / "kwargs.json").write_text(json.dumps(kwargs or {}))
     port = free_port()
-    procs = []
-    for rank in range(world_size):
-        rank_env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(world_size),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "NODE_RANK": "0",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "PYTHONWARNINGS": "ignore",
-            **(env or {}),
-        }
-        log = open(out / f"rank{rank}.log", "w")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tests.helpers.worker", target, str(out)],
-                env=rank_env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=ROOT,
-            )
-        )
+    command = [sys.executable, "-m", "tests.helpers.worker", target, str(out)]
+    procs = [
+        spawn(command, rank_env(rank, world_size, port, env), out / f"rank{rank}.log") for rank in range(world_size)
+    ]
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs):

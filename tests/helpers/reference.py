@@ -17,7 +17,7 @@ FP32 = {"rtol": 1.3e-6, "atol": 1e-5}
 def init_from_env() -> Comm:
     """Join the process group the launcher described (gloo), as a plain training script would."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world > 1:
+    if world > 1 and not dist.is_initialized():  # a kept world may hold the group a Lightning fit opened
         dist.init_process_group("gloo", rank=rank, world_size=world)
     return Comm(rank=rank, world_size=world, device=torch.device("cpu"))
 

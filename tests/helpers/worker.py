@@ -1,25 +1,66 @@
-"""One rank of a ``tests.helpers.launch.run_ranks`` run: ``python -m tests.helpers.worker module:function OUT_DIR``."""
+"""One rank of a ``tests.helpers.launch.run_ranks`` run.
+
+``python -m tests.helpers.worker module:function OUT_DIR`` runs one job and exits;
+``python -m tests.helpers.worker --serve DIR`` is one rank of a kept world (tests/helpers/worlds.py): it runs
+``DIR/job{n}.json`` for n = 0, 1, ... as they appear, each with that job's port and the environment and
+working directory restored afterwards, and leaves when its parent (the test session) is gone.
+"""
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
 
+def call(target: str, kwargs: dict[str, Any]) -> Any:
+    module_name, _, fn_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), fn_name)(**kwargs)
+
+
+def save(result: Any, path: Path) -> None:
+    torch.save(result, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)  # the launcher never reads half a file
+
+
+def serve(directory: Path) -> None:
+    parent, n = os.getppid(), 0
+    while True:
+        job = directory / f"job{n}.json"
+        while not job.exists():
+            if os.getppid() != parent:
+                return
+            time.sleep(0.01)
+        spec = json.loads(job.read_text())
+        environ, cwd = dict(os.environ), os.getcwd()
+        os.environ["MASTER_PORT"] = str(spec["port"])
+        print(f"==== job {n}: {spec['target']}", flush=True)
+        result = call(spec["target"], spec["kwargs"])
+        save(result, directory / f"{n}.rank{os.environ['RANK']}.pt")
+        del result
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
+        gc.collect()
+        n += 1
+
+
 def main() -> None:
-    target, out = sys.argv[1], Path(sys.argv[2])
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    module_name, _, fn_name = target.partition(":")
-    fn = getattr(importlib.import_module(module_name), fn_name)
-    result = fn(**json.loads((out / "kwargs.json").read_text()))
-    torch.save(result, out / f"rank{os.environ['RANK']}.pt")
+    if sys.argv[1] == "--serve":
+        serve(Path(sys.argv[2]))
+        return
+    target, out = sys.argv[1], Path(sys.argv[2])
+    save(call(target, json.loads((out / "kwargs.json").read_text())), out / f"rank{os.environ['RANK']}.pt")
 
 
 if __name__ == "__main__":

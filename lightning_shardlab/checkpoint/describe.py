@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from lightning_shardlab.checkpoint.files import CheckpointError, leftovers
+from lightning_shardlab.checkpoint.atomic import CheckpointError, leftovers
+from lightning_shardlab.checkpoint.fabric_state import full_parts
 from lightning_shardlab.checkpoint.format import (
     COMPLETE,
     METADATA,
@@ -27,7 +28,7 @@ from lightning_shardlab.checkpoint.format import (
     read_json,
     saved_range,
 )
-from lightning_shardlab.display import size
+from lightning_shardlab.core.display import size
 
 
 def describe(path: str | Path, verify: bool = False) -> dict[str, Any]:
@@ -126,14 +127,18 @@ def _describe_full(path: Path) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001
         info["problems"].append(f"cannot be read with weights_only=True: {type(err).__name__}: {err}")
         return info
-    state = checkpoint.get("state_dict", {})
+    try:
+        state, optimizers = full_parts(checkpoint)  # a Trainer's file or a Fabric's (the user's keys)
+    except ValueError as err:
+        info["problems"].append(str(err))
+        return info
     info["entries"] = [
         {"name": k, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
         for k, v in state.items()
         if torch.is_tensor(v)
     ]
     info.update({k: checkpoint[k] for k in ("epoch", "global_step") if k in checkpoint})
-    info["optimizers"] = len(checkpoint.get("optimizer_states", []))
+    info["optimizers"] = len(optimizers)
     info["rank_state"] = [repr(p) for p in checkpoint.get(RANK_STATES_KEY, {}).get("paths", [])]
     return info
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass
 from enum import Enum, IntEnum
 
 import torch
@@ -41,6 +42,42 @@ def import_path(path: str, option: str) -> type:
             " e.g. 'torch.nn.TransformerEncoderLayer'."
         )
     return obj
+
+
+def class_list(option: str, value: object, base: type) -> tuple[type, ...]:
+    """A class, an import path, or a list mixing both (a YAML list of strings; ``[Block]`` in Python, as
+    Lightning's ``auto_wrap_policy={Block}``) -> a tuple of classes, each a subclass of ``base``. None: ().
+    Raises ``ValueError`` naming ``option`` and the entry."""
+    if value is None:
+        return ()
+    entries = [value] if isinstance(value, (str, type)) else value
+    if not isinstance(entries, (list, tuple, set, frozenset)):
+        raise ValueError(
+            f"`{option}={value!r}` is invalid: expected a class, an import path, or a list of them"
+            " (e.g. [Block] or ['torch.nn.TransformerEncoderLayer'])."
+        )
+    classes = []
+    for entry in entries:
+        cls = import_path(entry, option) if isinstance(entry, str) else entry
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            named = class_path(cls) if isinstance(entry, type) else repr(entry)
+            raise ValueError(
+                f"`{option}` entry {named} is not a {class_path(base)} subclass. HINT: give the class itself or its"
+                " full import path."
+            )
+        classes.append(cls)
+    return tuple(dict.fromkeys(classes))
+
+
+def class_path(cls: type) -> str:
+    """The shortest import path of ``cls`` (what a YAML config names it by): ``torch.optim.SGD``, not
+    ``torch.optim.sgd.SGD``, where a package above its module exports it."""
+    parts = cls.__module__.split(".")
+    for i in range(1, len(parts) + 1):
+        module = sys.modules.get(".".join(parts[:i]))
+        if module is not None and getattr(module, cls.__qualname__, None) is cls:
+            return f"{module.__name__}.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 # ---- option checks: every option of every public class is checked by one of these, before anything runs ----
@@ -82,8 +119,9 @@ class ShardLabConfig:
     stage: Stage = Stage.PARAMETERS
     """What is sharded at rest: 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)."""
 
-    unit_classes: tuple[str, ...] = ()
-    """Import paths of module classes that each become a unit. Empty: one unit per repeated block."""
+    unit_classes: tuple[type[nn.Module], ...] = ()
+    """Module classes that each become a unit: classes, import paths (YAML) or a mix, held as classes. Empty:
+    one unit per repeated block."""
 
     min_unit_params: int = 0
     """A module with fewer parameters than this is not made a unit; its parameters join the enclosing unit."""
@@ -119,7 +157,7 @@ class ShardLabConfig:
     """Before each training and validation step of fit, give every rank rank 0's buffers (e.g. BatchNorm
     statistics), as DDP does before each forward."""
 
-    gradient_clip_norm_type: float = 2.0
+    gradient_clip_norm_type: float | str = 2.0
     """The norm Lightning's ``gradient_clip_val`` clips by: 2, 1, or ``inf`` (any p > 0), over all ranks' shards."""
 
     reduce_dtype: str | None = None
@@ -139,8 +177,9 @@ class ShardLabConfig:
     timeout_s: float = 1800.0
     """Process group timeout in seconds."""
 
-    elementwise_optimizers: tuple[str, ...] = ()
-    """Import paths of extra optimizer classes whose update is elementwise, so a shard-local step is exact."""
+    elementwise_optimizers: tuple[type[torch.optim.Optimizer], ...] = ()
+    """Extra optimizer classes (classes, import paths or a mix, held as classes) whose update is elementwise,
+    so a shard-local step is exact."""
 
     state_dict_type: str = "sharded"
     """Checkpoints: 'sharded' (a directory in which every rank writes its own slices) or 'full' (one plain
@@ -159,8 +198,6 @@ class ShardLabConfig:
     async_save: bool = False
     """Sharded checkpoints are written on a background thread from host copies; the save concludes (COMPLETE
     written, the directory moved into place) at the next save, load or the end of fit (checkpoint/async_save.py)."""
-
-    unit_types: tuple[type[nn.Module], ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         try:
@@ -202,18 +239,9 @@ class ShardLabConfig:
                 " HINT: use state_dict_type='sharded' (the default), and `shardlab consolidate` for one file later."
             )
         self._check_groups()
-        for option in ("unit_classes", "elementwise_optimizers"):
-            value = getattr(self, option)
-            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
-                raise ValueError(f"`{option}={value!r}` is invalid: expected a list of import paths (strings).")
-            object.__setattr__(self, option, tuple(value))
-        types = tuple(import_path(path, "unit_classes") for path in self.unit_classes)
-        for path, cls in zip(self.unit_classes, types):
-            if not issubclass(cls, nn.Module):
-                raise ValueError(f"`unit_classes` entry {path!r} is not a torch.nn.Module subclass.")
-        object.__setattr__(self, "unit_types", types)
-        for path in self.elementwise_optimizers:
-            import_path(path, "elementwise_optimizers")
+        object.__setattr__(self, "unit_classes", class_list("unit_classes", self.unit_classes, nn.Module))
+        optimizers = class_list("elementwise_optimizers", self.elementwise_optimizers, torch.optim.Optimizer)
+        object.__setattr__(self, "elementwise_optimizers", optimizers)
 
     def _check_groups(self) -> None:
         k, g = self.reshard_after_forward, self.shard_group_size
@@ -264,7 +292,7 @@ class ShardLabConfig:
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """How the flat parameters are typed; set from the Trainer's ``precision`` (see precision.py)."""
+    """How the flat parameters are typed; set from the Trainer's ``precision`` (see common/precision.py)."""
 
     compute_dtype: torch.dtype | None = None
     """What floating parameters are gathered and computed in; None: their own dtype (fp32 training)."""

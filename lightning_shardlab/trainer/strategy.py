@@ -24,20 +24,21 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shardlab.checkpoint import io as ckpt
+from lightning_shardlab.checkpoint import save_load as ckpt
 from lightning_shardlab.checkpoint.async_save import AsyncSaver
 from lightning_shardlab.checkpoint.rank_state import Owners
 from lightning_shardlab.comm.collectives import Comm
-from lightning_shardlab.config import Accumulation, Stage
-from lightning_shardlab.distributed import OPTIONS_DOC, ShardLabDistributed, check_option_names, options_to_configs
+from lightning_shardlab.common.distributed import ShardLabDistributed
+from lightning_shardlab.common.options import OPTIONS_DOC, check_option_names, options_to_configs, with_options
+from lightning_shardlab.core.config import Accumulation, Stage
 from lightning_shardlab.guard.callback import ShardLabSanity
-from lightning_shardlab.lightning_callbacks import gather_for_weight_readers, restore_param_groups
-from lightning_shardlab.precision import ShardLabPrecision, shardlab_precision
 from lightning_shardlab.sharding.build import shard_model
 from lightning_shardlab.sharding.gathered import Modules, gathered_params
 from lightning_shardlab.sharding.materialize import has_meta
 from lightning_shardlab.sharding.optimizer import global_grad_norm, shard_optimizer
 from lightning_shardlab.sharding.sharded_model import ShardedModel
+from lightning_shardlab.trainer.lightning_callbacks import gather_for_weight_readers, restore_param_groups
+from lightning_shardlab.trainer.precision import ShardLabPrecision, shardlab_precision
 
 
 def refuse_unsharded_callbacks(callbacks: list[Any]) -> None:
@@ -68,6 +69,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
 
     strategy_name = "shardlab"
 
+    @with_options
     def __init__(
         self,
         accelerator: Accelerator | None = None,
@@ -84,7 +86,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
         self.sharded: ShardedModel | None = None
         self._saver: AsyncSaver | None = None  # async_save (or Lightning's AsyncCheckpointIO): the save in flight
 
-    # ---- devices, ranks, process group (distributed.py) ----
+    # ---- devices, ranks, process group (common/distributed.py) ----
 
     @property
     def is_distributed(self) -> bool:
@@ -157,7 +159,9 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         plugin.sharded = self.sharded
-        if self.sharded.config.stage is Stage.PARAMETERS:  # ModelPruning, BaseFinetuning (lightning_callbacks.py)
+        if (
+            self.sharded.config.stage is Stage.PARAMETERS
+        ):  # ModelPruning, BaseFinetuning (trainer/lightning_callbacks.py)
             gather_for_weight_readers(trainer.callbacks, lambda writeback: self.gathered_params(writeback=writeback))
 
     def _sanity_driver(self, trainer: Trainer) -> ShardLabSanity:
@@ -268,10 +272,10 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        """Metrics (``self.log(..., sync_dist=True)``) and Lightning's decisions (distributed.py)."""
+        """Metrics (``self.log(..., sync_dist=True)``) and Lightning's decisions (common/distributed.py)."""
         return self.reduce_tensor(tensor, group, reduce_op, "metrics")
 
-    # ---- state dicts and checkpoints ("sharded" directories or "full" files: checkpoint/io.py) ----
+    # ---- state dicts and checkpoints ("sharded" directories or "full" files: checkpoint/save_load.py) ----
 
     def full_state_dict(self, ema: bool = False) -> dict[str, Any]:
         """Collective: the unsharded ``module.state_dict()`` (CPU tensors) on global rank 0, ``{}`` elsewhere;
@@ -383,7 +387,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
         assert self.sharded is not None
         restore_param_groups(
             self.lightning_module.trainer
-        )  # a finetuning callback's added groups (lightning_callbacks.py)
+        )  # a finetuning callback's added groups (trainer/lightning_callbacks.py)
         ckpt.load_optimizers(self.optimizers, self.sharded, checkpoint)
 
     # ---- teardown ----

@@ -11,10 +11,9 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from torch.optim import Optimizer
 
-from lightning_shardlab.checkpoint import sharded as checkpoint_sharded
+from lightning_shardlab.checkpoint import sharded_load, sharded_save
 from lightning_shardlab.checkpoint.async_save import AsyncSaver
-from lightning_shardlab.checkpoint.fabric_state import weights_of
-from lightning_shardlab.checkpoint.files import (
+from lightning_shardlab.checkpoint.atomic import (
     CheckpointError,
     clear_leftovers,
     commit,
@@ -22,8 +21,10 @@ from lightning_shardlab.checkpoint.files import (
     fsync_file,
     new_id,
     remove_path,
+    same_destination,
     tmp_path,
 )
+from lightning_shardlab.checkpoint.fabric_state import weights_of
 from lightning_shardlab.checkpoint.format import EMA_RECORD, EMA_STATE_DICT, RANK_STATES_KEY
 from lightning_shardlab.checkpoint.full import (
     full_optimizer_state,
@@ -118,7 +119,7 @@ def save(
             f" storage_options={storage_options!r}. HINT: use a file system path, or state_dict_type='full' to"
             " write one file through the CheckpointIO plugin."
         )
-    checkpoint_sharded.save_sharded(checkpoint, filepath, sharded, optimizers, precision, saver)
+    sharded_save.save_sharded(checkpoint, filepath, sharded, optimizers, precision, saver)
 
 
 def _save_full(
@@ -136,7 +137,7 @@ def _save_full(
     comparable = {**checkpoint, "state_dict": replicated_state(sharded)}
     mine = {"path": str(final), "tmp_id": new_id(), "digests": tree_digests(comparable)}
     everyone = collectives.all_gather_object(mine, comm, label="checkpoint plan")
-    checkpoint_sharded.same_destination([e["path"] for e in everyone], "save")
+    same_destination([e["path"] for e in everyone], "save")
     paths = differing_paths([e["digests"] for e in everyone])
     if paths:
         values = collectives.all_gather_object(
@@ -193,7 +194,7 @@ def load(
         if _remote(filepath) or Path(filepath).is_file():
             checkpoint = _load_full(filepath, plugin, weights_only)
         else:
-            reader, checkpoint = checkpoint_sharded.open_verified(Path(filepath), sharded, weights_only)
+            reader, checkpoint = sharded_load.open_verified(Path(filepath), sharded, weights_only)
             checkpoint[SOURCE_KEY] = reader
     except CheckpointError as err:
         error = str(err)
@@ -201,7 +202,7 @@ def load(
         error = f"loading the checkpoint {filepath} failed: {type(err).__name__}: {err}"
     where = str(filepath) if _remote(filepath) else str(Path(filepath).absolute())
     verdicts = collectives.all_gather_object((where, error), comm, label="checkpoint verification")
-    checkpoint_sharded.same_destination([p for p, _ in verdicts], "load")
+    same_destination([p for p, _ in verdicts], "load")
     bad = [(rank, e) for rank, (_, e) in enumerate(verdicts) if e is not None]
     if bad:
         rank, message = bad[0]
@@ -239,7 +240,7 @@ def load_model(sharded: ShardedModel, checkpoint: Mapping[str, Any], strict: boo
     if reader is None:
         load_full_state_dict(sharded, checkpoint["state_dict"], strict=strict)
     else:
-        checkpoint_sharded.load_model(sharded, reader, checkpoint["state_dict"], strict)
+        sharded_load.load_model(sharded, reader, checkpoint["state_dict"], strict)
     if sharded.averages is not None:
         _load_averages(sharded, checkpoint, reader)
 
@@ -248,7 +249,7 @@ def _load_averages(sharded: ShardedModel, checkpoint: Mapping[str, Any], reader:
     """The saved average, resharded like the masters; a checkpoint without one restarts it from the weights."""
     record = checkpoint.get(EMA_RECORD)
     if record is not None and reader is not None:
-        loaded = checkpoint_sharded.load_averages(sharded, reader)
+        loaded = sharded_load.load_averages(sharded, reader)
     else:
         loaded = record is not None and load_full_averages(sharded, checkpoint.get(EMA_STATE_DICT, {}))
     if loaded:
@@ -283,7 +284,7 @@ def load_optimizers(optimizers: list[Optimizer], sharded: ShardedModel, checkpoi
         for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
             load_full_optimizer_state(optimizer, sharded, state)
     else:
-        checkpoint_sharded.load_optimizers(optimizers, sharded, reader, checkpoint["optimizer_states"])
+        sharded_load.load_optimizers(optimizers, sharded, reader, checkpoint["optimizer_states"])
     if sharded.offload is not None:  # the loaded state goes where the run keeps it (offload/)
         for optimizer in optimizers:
             sharded.offload.settle_all(getattr(optimizer, "_optimizer", optimizer))

@@ -185,3 +185,11 @@ def clear_leftovers(final: Path, keep: Path | None = None) -> None:
     for path in leftovers(final):
         if keep is None or path != keep:
             delete(path)
+
+
+def same_destination(paths: list[str], action: str) -> None:
+    if len(set(paths)) > 1:
+        raise ValueError(
+            f"ranks were asked to {action} different checkpoints: {sorted(set(paths))}. HINT: pass the"
+            " same path on every rank (e.g. compute it on rank 0 and broadcast it)."
+        )

@@ -9,7 +9,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
 
 from lightning_shardlab.comm.collectives import Comm
-from lightning_shardlab.config import check_bool, check_int, check_positive
+from lightning_shardlab.core.config import check_bool, check_int, check_positive
 from lightning_shardlab.guard.divergence import check_distinct_batches, check_replicated
 from lightning_shardlab.guard.fingerprints import FingerprintRecorder, StrictCollectives, check_fingerprints
 from lightning_shardlab.guard.orderly_stop import OrderlyStop

@@ -1,5 +1,4 @@
-"""Precision for sharded training: the recipe both front doors share, the Trainer's plugin, what it tells
-the flat parameters.
+"""Precision for sharded training: the recipe both front doors share, and what it tells the flat parameters.
 
 | precision    | gathered, computed in     | master shard | grads kept in | reduced in (default) |
 | ------------ | ------------------------- | ------------ | ------------- | -------------------- |
@@ -12,20 +11,20 @@ With "bf16-mixed" and AdamW each rank holds 2 B compute copy + 2 B gradient + 4 
 moments = 16 B per parameter, divided by N at stage 3 (the ZeRO table). Gradient clipping takes
 the global norm over every rank's shards; the fp16 loss scale skips a step when any rank overflowed.
 
-``PrecisionRecipe`` is all of that on ``lightning.fabric``'s plugin interface; ``ShardLabPrecision`` adds the
-Trainer's hooks (fabric/precision.py adds Fabric's), so the two plugins differ only where Lightning's two APIs do.
+``PrecisionRecipe`` is all of that on ``lightning.fabric``'s plugin interface; trainer/precision.py adds the
+Trainer's hooks and fabric/precision.py Fabric's, so the two plugins differ only where Lightning's two APIs do.
+``convert_plugin`` turns what either front door chose into its shardlab plugin.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
@@ -33,7 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shardlab.comm import collectives
-from lightning_shardlab.config import DTYPES, PrecisionPolicy
+from lightning_shardlab.core.config import DTYPES, PrecisionPolicy
 from lightning_shardlab.sharding.optimizer import clip_grad_norm_
 
 if TYPE_CHECKING:
@@ -163,26 +162,6 @@ class PrecisionRecipe(FabricPrecision):
             vars(self.loss_scale).update(state_dict)
 
 
-class ShardLabPrecision(PrecisionRecipe, Precision):
-    """The Trainer's plugin: ``Trainer(precision=...)`` becomes one of these (``shardlab_precision``)."""
-
-    @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        self.clip_by_global_norm(optimizer, clip_val)
-
-    @override
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        if self.loss_scale is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        closure_result = closure()
-        if closure_result is None and model.automatic_optimization:
-            return closure_result  # backward was skipped
-        overflow = self._unscale(optimizer)
-        self._after_closure(model, optimizer)
-        stepped = self._step_or_skip(optimizer, overflow, **kwargs)
-        return closure_result if overflow else stepped
-
-
 def convert_plugin(
     plugin: Any, ours: type[PrecisionRecipe], lightning: tuple[type, ...], norm_type: float, front_door: str
 ) -> Any:
@@ -197,8 +176,3 @@ def convert_plugin(
         f"`{front_door}(precision={name!r})` is not supported by the shardlab strategy."
         f" Allowed: {', '.join(SUPPORTED)}."
     )
-
-
-def shardlab_precision(plugin: Precision | None, norm_type: float) -> ShardLabPrecision:
-    """The shardlab plugin for what the Trainer chose (``precision=...``)."""
-    return convert_plugin(plugin, ShardLabPrecision, (Precision, MixedPrecision, HalfPrecision), norm_type, "Trainer")

@@ -1,0 +1,115 @@
+"""The budget's tables, printed by rank 0 when fit ends: every rank's figures, measured (predicted).
+
+Memory per rank by category, a line on the units (what stage 3 gathers at a time, and which option made
+them), communication per step by collective, by group for hybrid or regrouped runs, and the offload tiers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from lightning_shardlab.budget.measure import MEMORY_CATEGORIES
+from lightning_shardlab.budget.tiers import tier_table
+from lightning_shardlab.comm.mesh import SCOPES
+from lightning_shardlab.core.display import mib, print_table
+
+
+def print_budget(console: Console, everyone: list[dict[str, Any]]) -> None:
+    """All of rank 0's tables, from every rank's report (budget/report.py)."""
+    first = everyone[0]
+    print_table(console, memory_table(everyone))
+    console.print(units_line(first))
+    print_table(console, comm_table(everyone))
+    if any(scope != "world" for r in everyone for scope in r["comm_per_step_by_scope"]):
+        print_table(console, scope_table(everyone))
+    if first["offload"] != "none":
+        print_table(console, tier_table(everyone))
+
+
+def memory_table(everyone: list[dict[str, Any]]) -> Table:
+    first = everyone[0]
+    table = Table(
+        title=f"shardlab budget: memory per rank between steps, MiB measured (predicted), stage {first['stage']},"
+        f" {first['world_size']} ranks, {first['precision']}"
+    )
+    cats = (*MEMORY_CATEGORIES, "gathered_peak")
+    for col in ("rank", *cats, "model state", "process peak"):
+        table.add_column(col, justify="right")
+    for r in everyone:
+        m, p = r["memory_measured"], r["memory_predicted"]
+        cells = [f"{mib(m[c])} ({mib(p[c])})" for c in cats]
+        state = sum(m[c] for c in MEMORY_CATEGORIES if c != "padding")
+        predicted = sum(p[c] for c in MEMORY_CATEGORIES if c != "padding")
+        table.add_row(str(r["rank"]), *cells, f"{mib(state)} ({mib(predicted)})", mib(r["process_peak_bytes"]))
+    return table
+
+
+def units_line(report: dict[str, Any]) -> str:
+    """One line: the units, what the stage does with them, and the option that made them."""
+    units = report["units"]
+    total, blocks = sum(units.values()), {n: p for n, p in units.items() if n != "root"}
+    names = ", ".join(blocks) if len(blocks) <= 6 else f"{', '.join(list(blocks)[:3])}, ... {list(blocks)[-1]}"
+    made = f"made by {report['unit_policy']}"
+    if report["stage"] != 3:
+        return (
+            f"units: the root + {len(blocks)} ({names or 'none'}; {made}); stage {report['stage']} keeps every"
+            " parameter whole on every rank, so nothing is gathered per unit."
+        )
+    if not blocks:
+        return (
+            f"units: 1, the whole model ({total:,} parameters; {made}): stage 3 gathers all of it at once."
+            " HINT: unit_classes=[YourBlock] (or unit_bucket_params=0) gathers one block at a time."
+        )
+    calls = report["comm_predicted_per_step"].get("all_gather_calls")
+    if report["reshard_after_forward"] is False:
+        return (
+            f"units: the root + {len(blocks)} ({names}; {made}): stage 3 with reshard_after_forward=False gathers"
+            f" each before its forward and keeps it until its backward ({calls} all-gathers per step)."
+        )
+    return (
+        f"units: the root ({units.get('root', 0):,} parameters) + {len(blocks)} ({names}; {made}; largest"
+        f" {max(blocks.values()):,} of {total:,} parameters): stage 3 gathers each just before it computes and"
+        f" frees it after ({calls} all-gathers per step), so the gathered peak is the root and two units"
+        " (one computing, the next prefetched), not the whole model."
+    )
+
+
+def comm_table(everyone: list[dict[str, Any]]) -> Table:
+    first = everyone[0]
+    table = Table(
+        title=f"shardlab budget: communication per optimizer step ({first['optimizer_steps']} steps),"
+        " full-tensor MiB, measured (predicted)"
+    )
+    for col in ("rank", "collective", "calls", "MiB", "seconds waiting", "share of step"):
+        table.add_column(col, justify="right")
+    for r in everyone:
+        pred = r["comm_predicted_per_step"]
+        for kind, c in sorted(r["comm_per_step"].items()):
+            p_calls, p_bytes = pred.get(f"{kind}_calls"), pred.get(f"{kind}_bytes")
+            calls = f"{c['calls']:.1f}" + (f" ({p_calls})" if p_calls is not None else "")
+            moved = mib(c["bytes"]) + (f" ({mib(p_bytes)})" if p_bytes is not None else "")
+            share = c["seconds"] / max(r["step_seconds"], 1e-12)
+            table.add_row(str(r["rank"]), kind, calls, moved, f"{c['seconds']:.4f}", f"{share:.1%}")
+    return table
+
+
+def scope_table(everyone: list[dict[str, Any]]) -> Table:
+    """Hybrid or regrouped runs: the same calls by the group they ran in (comm/mesh.py's scopes)."""
+    table = Table(
+        title="shardlab budget: communication per optimizer step by group, full-tensor MiB, measured (predicted)"
+    )
+    for col in ("rank", "group", "collective", "calls", "MiB", "seconds waiting"):
+        table.add_column(col, justify="right")
+    for r in everyone:
+        predicted = r["comm_predicted_per_step"].get("by_scope", {})
+        for scope, kinds in sorted(r["comm_per_step_by_scope"].items()):
+            for kind, c in sorted(kinds.items()):
+                p = predicted.get(scope, {}).get(kind)
+                calls = f"{c['calls']:.1f}" + (f" ({p[0]})" if p is not None else "")
+                moved = mib(c["bytes"]) + (f" ({mib(p[1])})" if p is not None else "")
+                group = f"{scope}: {SCOPES.get(scope, scope)}"
+                table.add_row(str(r["rank"]), group, kind, calls, moved, f"{c['seconds']:.4f}")
+    return table
