@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from lightning_shardlab import ShardLabBudget, ShardLabStrategy
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, measure_memory
-from lightning_shardlab.budget.plan import INTERCONNECTS, plan_model
+from lightning_shardlab.budget.plan import plan_model
 from lightning_shardlab.budget.plan_command import main as plan_main
+from lightning_shardlab.budget.predict import INTERCONNECTS
 from lightning_shardlab.core.config import ShardLabConfig, Stage
 from tests.helpers.counting import live_cpu_bytes
 from tests.helpers.launch import run_ranks

@@ -1,17 +1,22 @@
 """The example GPT, its data, the ``shardlab`` command and the fine-tune script the README runs.
 
-The command-line runs are real 2-rank trainings (Lightning's launcher starts the second rank): each one
-gets a free port, a hard wall clock, and its whole process group killed when it ends.
+``shardlab fit`` runs are real 2-rank trainings in a kept world, launched as torchrun launches them (each rank
+runs the command; the ranks' environment names the world); ``--help`` and ``--print_config`` go through the
+installed console script; the README's fine-tune script starts its second rank through Lightning's launcher.
+Each command gets a free port, a hard wall clock, and its whole process group killed when it ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import unittest.mock
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +25,8 @@ import torch
 from lightning_shardlab.examples.finetune import QUICK, samples
 from lightning_shardlab.examples.gpt import GPT, WarmupCosine
 from lightning_shardlab.examples.text import TextDataModule, decode, encode
-from tests.helpers.launch import ROOT, free_port
+from tests.helpers import cli_tools
+from tests.helpers.launch import ROOT, free_port, run_ranks
 
 CONFIGS = ROOT / "configs"
 SHARDLAB = Path(sys.executable).parent / "shardlab"  # the console script pyproject.toml declares
@@ -71,7 +77,31 @@ def assert_budget_printed(output: str, stage: int) -> None:
     ]
 
 
+@contextlib.contextmanager
+def _in_dir(path: Path) -> Iterator[None]:
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
 def shardlab(*args: str, cwd: Path) -> str:
+    """``shardlab ARGS`` in ``cwd``: a training subcommand on 2 ranks launched as torchrun would (a kept world:
+    no process starts), ``--print_config`` in this process, ``--help`` through the installed console script.
+    Rank 0's output."""
+    if args[0] in ("fit", "validate", "test", "predict") and "--print_config" not in args:
+        kwargs = {"argv": list(args), "cwd": str(cwd)}
+        ranks = run_ranks("tests.helpers.cli_tools:shardlab_on_rank", 2, kwargs, timeout=180)
+        for rank, (code, output) in enumerate(ranks):
+            assert code == 0, f"rank {rank}: shardlab {' '.join(args)} exited with {code}:\n{output[-3000:]}"
+        return ranks[0][1]
+    if "--print_config" in args:  # no training: in this process
+        with _in_dir(cwd), unittest.mock.patch.object(sys, "argv", ["shardlab"]):
+            code, output = cli_tools.shardlab(*args)
+        assert code == 0, f"shardlab {' '.join(args)} exited with {code}:\n{output[-3000:]}"
+        return output
     assert SHARDLAB.exists(), f"{SHARDLAB} is missing. HINT: pip install -e . (it installs the `shardlab` command)"
     return run_command([str(SHARDLAB), *args], cwd, timeout=120)
 

@@ -135,6 +135,8 @@ def test_every_option_is_written_once_and_seen_everywhere(
         for name in OPTIONS:
             assert re.search(rf"^\s+{name}: \S", strategy.__doc__, re.M), (strategy, name)
     assert set(field_docs(ShardLabConfig)) == {f.name for f in dataclasses.fields(ShardLabConfig)}  # each documented
+    readme = (ROOT / "README.md").read_text()
+    assert [name for name in OPTIONS if f"| `{name}` |" not in readme] == []  # the README's table lists each
     config = tmp_path / "strategy.yaml"
     config.write_text(
         "trainer:\n  strategy:\n    class_path: lightning_shardlab.ShardLabStrategy\n    init_args:\n"

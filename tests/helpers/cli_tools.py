@@ -1,4 +1,5 @@
-"""The ``shardlab`` tools run as a user runs them, in this process: ``cli.main(argv)``, its exit status and output.
+"""The ``shardlab`` command run as a user runs it, in this process: ``cli.main(argv)``, its exit status and output
+(``shardlab_on_rank``: one rank of a multi-rank ``shardlab fit``).
 
 ``every_tool`` takes one checkpoint of any kind the project writes (a Trainer's or a Fabric's, sharded or
 full, with or without optimizer state) through ``inspect``, ``consolidate`` (sharded ones; then ``inspect``
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,14 @@ def shardlab(*argv: str) -> tuple[int, str]:
             if isinstance(exit.code, str):  # what the shell would have printed
                 out.write(exit.code)
     return code, out.getvalue()
+
+
+def shardlab_on_rank(argv: list[str], cwd: str) -> tuple[int, str]:
+    """One rank of ``shardlab ARGV`` run in ``cwd``, launched as torchrun launches it (a ``run_ranks`` job: the
+    ranks' environment names the world, so Lightning's launcher starts no process); 160 columns for rich."""
+    os.chdir(cwd)
+    os.environ["COLUMNS"] = "160"
+    return shardlab(*argv)
 
 
 def every_tool(checkpoint: Path, work: Path) -> dict[str, Any]:
