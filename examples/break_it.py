@@ -1,6 +1,6 @@
 """BREAK IT: three ways distributed training goes wrong without crashing, and what catches each.
 
-    python examples/break_it.py             # all three, each in its own 2-rank run (about a minute on 2 cores)
+    python examples/break_it.py             # all three, one after another on 2 ranks (about 20 s on 2 cores)
     python examples/break_it.py diverge     # one of: diverge, skip, same-data
 
 1. diverge    Silent divergence. A frozen position embedding is re-initialised after a per-rank seed was
@@ -19,14 +19,13 @@
               cost of N, the progress of one. The data check names the ranks with identical batches.
 
 Lightning's launcher starts rank 1 by running this script again with the same arguments, so each fault
-runs on both ranks; both raise the same error (the checks raise on every rank) and print it.
+runs on both ranks; both raise the same error (the checks raise on every rank), print it, and go on together
+to the next fault.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import time
 
@@ -79,8 +78,9 @@ def tokens(n: int, seed: int = 0) -> TensorDataset:
     return TensorDataset(data[:, :-1], data[:, 1:])
 
 
-def run_fault(fault: str) -> None:
-    """One 2-rank run with the fault; prints what caught it (on every rank)."""
+def run_fault(fault: str) -> bool:
+    """One 2-rank run with the fault; prints what caught it (on every rank) and returns whether it was caught.
+    A caught fault is raised on every rank at the same point, so the ranks go on together to the next run."""
     torch.manual_seed(0)
     model = {"diverge": DivergingGPT, "skip": ShortcutGPT, "same-data": lambda: GPT(**SIZES)}[fault]()
     sanity = ShardLabSanity(every_n_steps=5, collective_timeout_s=60)
@@ -103,35 +103,23 @@ def run_fault(fault: str) -> None:
         trainer.fit(model, DataLoader(tokens(96), batch_size=4, shuffle=False))
     except FAULTS[fault] as error:
         print(f"[rank {trainer.global_rank}] {fault}: caught {type(error).__name__}:\n{error}\n", flush=True)
-        return
+        return True
     print(f"[rank {trainer.global_rank}] {fault}: NOT caught (training finished)", flush=True)
-
-
-def run_isolated(command: list[str], timeout: float) -> tuple[str, str]:
-    """Run ``command`` in its own session; on timeout end it and the rank it launched. (stdout, stderr)."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        return proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        return out, err + f"\n(timed out after {timeout:.0f} s)"
+    return False
 
 
 def run_all() -> int:
-    """Each fault in a fresh process (a caught fault ends its run); a summary at the end."""
+    """The three faults one after another on the same 2 ranks (Lightning's launcher starts rank 1 at the first
+    fit); a summary at the end."""
     caught = {}
-    for fault, error in FAULTS.items():
+    for fault in FAULTS:
         started = time.monotonic()
-        print(f"==== {fault} " + "=" * 60, flush=True)
-        stdout, stderr = run_isolated([sys.executable, __file__, fault], timeout=300)
-        noise = ("GPU", "TPU", "💡", "---", "Initial", "distributed_b", "All dist")
-        print("\n".join(line for line in stdout.splitlines() if not line.startswith(noise)).strip(), flush=True)
-        caught[fault] = f"[rank 0] {fault}: caught {error.__name__}" in stdout
-        if not caught[fault]:
-            print("\n".join(stderr.splitlines()[-30:]), flush=True)
-        print(f"({time.monotonic() - started:.0f} s)\n", flush=True)
-    print("summary: " + ", ".join(f"{f}: {'caught' if ok else 'NOT CAUGHT'}" for f, ok in caught.items()))
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            print(f"==== {fault} " + "=" * 60, flush=True)
+        caught[fault] = run_fault(fault)
+        print(f"[rank {os.environ.get('LOCAL_RANK', 0)}] ({time.monotonic() - started:.0f} s)\n", flush=True)
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        print("summary: " + ", ".join(f"{f}: {'caught' if ok else 'NOT CAUGHT'}" for f, ok in caught.items()))
     return 0 if all(caught.values()) else 1
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
+from unittest import mock
 
 import lightning as L
 import pytest
@@ -114,86 +116,103 @@ def test_state_dict_of_a_sharded_module_explains_how_to_get_the_full_one() -> No
         sharded.module.state_dict()
 
 
-def differing_model_fit() -> dict:
+def _differing_model_fit() -> None:
     """Rank 1 builds its GPT with a different block width: every rank must raise, naming it."""
-    rank = int(os.environ["RANK"])
     torch.manual_seed(0)
     model = TinyGPT()
-    if rank == 1:
+    if int(os.environ["RANK"]) == 1:
         model.blocks[1].mlp.fc = nn.Linear(18, 71, bias=False)
-    data = token_dataset(8)
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=ShardLabStrategy(),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        accelerator="cpu", devices=2, strategy=ShardLabStrategy(), max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False,
-    )
-    trainer.fit(model, OrderedData(data, 2))
-    return {}
+    )  # fmt: skip
+    trainer.fit(model, OrderedData(token_dataset(8), 2))
 
 
-def test_model_that_differs_across_ranks_raises_on_every_rank_without_hanging() -> None:
-    results = run_ranks("tests.test_bad_input:differing_model_fit", 2, timeout=90, expect_failure=True)
-    for rank, (returncode, log) in enumerate(results):
-        assert returncode != 0, f"rank {rank} did not fail"
-        assert "ValueError" in log and "the model differs across ranks" in log, log[-2000:]
-        assert "blocks.1.mlp.fc.weight" in log and "(72, 18)" in log and "(71, 18)" in log
-
-
-def group_size_fit(options: dict) -> dict:
-    """A group size the world of 2 cannot be split into, or an offload this run cannot have: refused at setup,
-    before the process group opens."""
+def _fit_with(options: dict) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ShardLabStrategy(**options), max_steps=1, logger=False)
     trainer.fit(TinyGPT(), OrderedData(token_dataset(8), 2))
-    return {}
 
 
-@pytest.mark.parametrize(
-    ("options", "words"),
-    [
-        ({"shard_group_size": 3}, ["`shard_group_size=3` (3 ranks) must divide the world size 2"]),
-        ({"reshard_after_forward": 3}, ["`reshard_after_forward=3` must divide the shard group size 2"]),
-        ({"offload": "cpu"}, ["`offload='cpu'`", "trains on the CPU", "offload='disk'"]),
-        ({"offload": "disk", "offload_dir": "/no/such/dir"}, ["`offload_dir='/no/such/dir'` is not a directory"]),
-        ({"offload": "disk", "offload_dir": "/proc"}, ["`offload_dir='/proc'` is not writable"]),
-    ],
-    ids=["shard_group_size", "reshard_after_forward", "offload cpu on CPU", "offload_dir missing", "not writable"],
-)
-def test_group_sizes_and_offloads_a_run_cannot_have_are_refused_on_every_rank(options: dict, words: list[str]) -> None:
-    results = run_ranks("tests.test_bad_input:group_size_fit", 2, {"options": options}, timeout=90, expect_failure=True)
-    for rank, (returncode, log) in enumerate(results):
-        assert returncode != 0, f"rank {rank} did not fail"
-        assert "ValueError" in log and all(w in log for w in words), log[-2000:]
-        assert "HINT" in log, log[-2000:]
-
-
-def short_disk_fit(tmp: str) -> dict:
+def _short_disk_fit(tmp: str) -> None:
     """offload='disk' where rank 1's offload_dir has 1,000 bytes free (its file system's answer, replaced)."""
     from lightning_shardlab.offload import space
 
     real = space.shutil.disk_usage
-    if int(os.environ["RANK"]) == 1:
-        space.shutil.disk_usage = lambda path: real(path)._replace(free=1000)
-    strategy = ShardLabStrategy(offload="disk", offload_dir=tmp)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False)
-    trainer.fit(TinyGPT(), OrderedData(token_dataset(8), 2))
-    return {}
+    short = (lambda path: real(path)._replace(free=1000)) if int(os.environ["RANK"]) == 1 else real
+    with mock.patch.object(space.shutil, "disk_usage", short):
+        _fit_with({"offload": "disk", "offload_dir": tmp})
 
 
-def test_offload_dir_without_room_for_the_layout_is_refused_on_every_rank_before_training(tmp_path: Path) -> None:
-    kwargs = {"tmp": str(tmp_path)}
-    results = run_ranks("tests.test_bad_input:short_disk_fit", 2, kwargs, timeout=90, expect_failure=True)
-    for rank, (returncode, log) in enumerate(results):
-        assert returncode != 0, f"rank {rank} did not fail"
-        assert "OffloadSpaceError" in log and "rank 1: offload_dir=" in log, log[-2000:]
-        assert "has 1,000 bytes free" in log, log[-2000:]
-        assert "bytes per rank x 2 rank(s) on this machine" in log and "HINT" in log, log[-2000:]
-        assert "Epoch 0" not in log  # before training
+GROUPS_AND_OFFLOADS = {  # a group size the world of 2 cannot be split into, an offload this run cannot have
+    "shard_group_size": ({"shard_group_size": 3}, ["`shard_group_size=3` (3 ranks) must divide the world size 2"]),
+    "reshard_after_forward": (
+        {"reshard_after_forward": 3}, ["`reshard_after_forward=3` must divide the shard group size 2"],
+    ),
+    "offload cpu on CPU": ({"offload": "cpu"}, ["`offload='cpu'`", "trains on the CPU", "offload='disk'"]),
+    "offload_dir missing": (
+        {"offload": "disk", "offload_dir": "/no/such/dir"}, ["`offload_dir='/no/such/dir'` is not a directory"],
+    ),
+    "not writable": ({"offload": "disk", "offload_dir": "/proc"}, ["`offload_dir='/proc'` is not writable"]),
+}  # fmt: skip
+
+
+def refusals(tmp: str) -> dict[str, tuple[str, str, bool]]:
+    """Every bad run of this file, one after another on the same 2 ranks: what each raised on this rank (its
+    class, its message) and whether training had begun. A rank that did not raise, or hung, fails the job."""
+    runs = {name: functools.partial(_fit_with, options) for name, (options, _) in GROUPS_AND_OFFLOADS.items()}
+    runs["short disk"] = functools.partial(_short_disk_fit, tmp)
+    runs["differing model"] = _differing_model_fit  # last: refused after the process group opened
+    out = {}
+    for name, run in runs.items():
+        steps: list[int] = []
+
+        def counted(self, *args, _step=TinyGPT.training_step, _steps=steps):  # noqa: ANN001, ANN002, ANN202
+            _steps.append(1)
+            return _step(self, *args)
+
+        with mock.patch.object(TinyGPT, "training_step", counted):
+            try:
+                run()
+            except Exception as error:  # noqa: BLE001  (what a user would see)
+                out[name] = (type(error).__name__, str(error), bool(steps))
+                continue
+        raise AssertionError(f"{name}: rank {os.environ['RANK']} did not fail")
+    return out
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, tuple[str, str, bool]]]:
+    """One launch for every refusal below (its ranks survive them: each is refused on every rank)."""
+    tmp = tmp_path_factory.mktemp("refusals")
+    return run_ranks("tests.test_bad_input:refusals", 2, {"tmp": str(tmp)}, timeout=180)
+
+
+def test_model_that_differs_across_ranks_raises_on_every_rank_without_hanging(refused: list[dict]) -> None:
+    for rank, ranks in enumerate(refused):
+        kind, message, trained = ranks["differing model"]
+        assert kind == "ValueError" and "the model differs across ranks" in message, (rank, message)
+        assert "blocks.1.mlp.fc.weight" in message and "(72, 18)" in message and "(71, 18)" in message
+        assert not trained
+
+
+@pytest.mark.parametrize("case", list(GROUPS_AND_OFFLOADS))
+def test_group_sizes_and_offloads_a_run_cannot_have_are_refused_on_every_rank(case: str, refused: list[dict]) -> None:
+    words = GROUPS_AND_OFFLOADS[case][1]
+    for rank, ranks in enumerate(refused):
+        kind, message, trained = ranks[case]
+        assert kind == "ValueError" and all(w in message for w in words), (rank, message)
+        assert "HINT" in message and not trained, (rank, message)
+
+
+def test_offload_dir_without_room_for_the_layout_is_refused_on_every_rank_before_training(refused: list[dict]) -> None:
+    for rank, ranks in enumerate(refused):
+        kind, message, trained = ranks["short disk"]
+        assert kind == "OffloadSpaceError" and "rank 1: offload_dir=" in message, (rank, message)
+        assert "has 1,000 bytes free" in message, message
+        assert "bytes per rank x 2 rank(s) on this machine" in message and "HINT" in message, message
+        assert not trained  # before training
 
 
 def test_a_full_disk_while_making_an_offload_file_names_the_directory_and_the_bytes(

@@ -29,17 +29,19 @@ GPT = {"vocab": 61, "block_size": 8, "n_layer": 3, "n_embd": 48, "n_head": 4}
 
 class IndependentCounts(L.Callback):
     """During training: the bytes torch.distributed's all-gathers and reduce-scatters were handed, counted by
-    wrapping them; between steps: the live storages, next to what the ledger measures."""
+    wrapping them; between steps: the live storages that were not alive before the run, next to what the
+    ledger measures."""
 
     def __init__(self, exclude: list[torch.Tensor]) -> None:
         self.exclude, self.bytes, self.live, self.ledger = exclude, Counter(), [], []
+        self.baseline = live_cpu_bytes(exclude)  # what the process held before (its earlier tests' leftovers)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         del outputs, batch
         if batch_idx == 0:
             self.start_counting()  # from the second step, as the budget does (the first is a warm-up)
             return
-        self.live.append(live_cpu_bytes(self.exclude))
+        self.live.append(live_cpu_bytes(self.exclude) - self.baseline)
         measured = measure_memory(trainer.strategy.sharded.flat_params, trainer.optimizers)
         self.ledger.append(sum(v for k, v in measured.items() if k != "padding"))
 

@@ -54,11 +54,11 @@ FULL = Recipe()
 QUICK = Recipe(
     model=dict(n_layer=4, n_head=2, n_embd=32, block_size=32),  # 4 blocks: stage 3 gathers 2 at a time
     batch_size=8,
-    pretrain_steps=40,
-    finetune_steps=30,
+    pretrain_steps=24,
+    finetune_steps=20,
     pretrain_lr=3e-3,
     finetune_lr=3e-3,
-    val_every=10,
+    val_every=8,
     val_batches=4,
     new_tokens=24,
 )
