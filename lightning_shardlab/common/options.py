@@ -7,7 +7,7 @@ fields come, with nothing written a second time:
   LightningCLI's YAML see), each typed as the front door accepts it: an enum field takes its values (``stage=3``,
   ``accumulation="defer"``), a field of classes takes classes, import paths or a list mixing both;
 - ``OPTIONS_DOC``: their ``Args:`` section, from the fields' docstrings;
-- ``options_to_configs(**options)``: the checked ``ShardLabConfig`` and ``SanityConfig`` of a set of options.
+- ``options_to_configs(options, who)``: the checked ``ShardLabConfig`` and ``SanityConfig`` of a set of options.
 """
 
 from __future__ import annotations
@@ -102,9 +102,10 @@ def check_option_names(options: dict[str, Any], who: str) -> None:
         raise ValueError(f"{who} got unknown option(s) {', '.join(map(repr, unknown))}. Allowed: {', '.join(OPTIONS)}.")
 
 
-def options_to_configs(**options: Any) -> tuple[ShardLabConfig, SanityConfig]:
-    """The engine's config and the guard's, checked, from options named in ``OPTIONS`` (the rest default)."""
-    check_option_names(options, "the shardlab strategy")
+def options_to_configs(options: dict[str, Any], who: str) -> tuple[ShardLabConfig, SanityConfig]:
+    """The engine's config and the guard's, checked, from options named in ``OPTIONS`` (the rest default);
+    an unknown name is refused naming ``who`` (the strategy) and the allowed ones."""
+    check_option_names(options, who)
     config = {n: options[n] for n in options if n not in SANITY_OPTIONS}
     sanity = {SANITY_OPTIONS[n]: options[n] for n in options if n in SANITY_OPTIONS}
     return ShardLabConfig(**config), SanityConfig(**sanity)

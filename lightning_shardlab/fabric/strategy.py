@@ -42,7 +42,7 @@ from lightning_shardlab.checkpoint import save_load as ckpt
 from lightning_shardlab.checkpoint.rank_state import Owners
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.common.distributed import ShardLabDistributed
-from lightning_shardlab.common.options import OPTIONS_DOC, check_option_names, options_to_configs, with_options
+from lightning_shardlab.common.options import OPTIONS_DOC, options_to_configs, with_options
 from lightning_shardlab.core.config import Accumulation
 from lightning_shardlab.fabric.precision import ShardLabFabricPrecision, fabric_precision
 from lightning_shardlab.sharding.build import shard_model
@@ -76,8 +76,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
         precision: Precision | None = None,
         **options: Any,
     ) -> None:
-        check_option_names(options, "lightning_shardlab.fabric.ShardLabStrategy")
-        self.config, self.sanity_config = options_to_configs(**options)
+        self.config, self.sanity_config = options_to_configs(options, "lightning_shardlab.fabric.ShardLabStrategy")
         if self.config.async_save:
             raise ValueError(
                 "`async_save=True` is for the Trainer, whose end of fit completes the last save; a Fabric loop has"

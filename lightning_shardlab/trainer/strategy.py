@@ -29,7 +29,7 @@ from lightning_shardlab.checkpoint.async_save import AsyncSaver
 from lightning_shardlab.checkpoint.rank_state import Owners
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.common.distributed import ShardLabDistributed
-from lightning_shardlab.common.options import OPTIONS_DOC, check_option_names, options_to_configs, with_options
+from lightning_shardlab.common.options import OPTIONS_DOC, options_to_configs, with_options
 from lightning_shardlab.core.config import Accumulation, Stage
 from lightning_shardlab.guard.callback import ShardLabSanity
 from lightning_shardlab.sharding.build import shard_model
@@ -79,8 +79,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
         precision_plugin: Precision | None = None,
         **options: Any,
     ) -> None:
-        check_option_names(options, "ShardLabStrategy")
-        self.config, self.sanity_config = options_to_configs(**options)
+        self.config, self.sanity_config = options_to_configs(options, "ShardLabStrategy")
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.comm: Comm | None = None
         self.sharded: ShardedModel | None = None

@@ -9,8 +9,9 @@ Starting a rank costs seconds (torch and Lightning imports), most of what a shor
 expects to succeed goes to a *kept world* (tests/helpers/worlds.py): N ranks started once per world size and
 reused by the tests after it, one job at a time, each job with a fresh port and the environment as it was. A
 job that fails or passes its timeout ends its world (the next job starts a new one). Runs that expect a rank
-to fail, that set their own environment, or that measure the process itself (``fresh=True``: peak memory,
-live tensors) start their own processes as before.
+to fail, or that set their own environment (a process's allocator, its memory cap), start their own
+processes; ``SHARDLAB_TEST_FRESH_WORLDS=1`` makes every run do so. A test that counts a process's live tensors
+counts those its own run made (a kept process holds what earlier jobs left).
 """
 
 from __future__ import annotations
@@ -91,16 +92,15 @@ def run_ranks(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
     expect_failure: bool = False,
-    fresh: bool = False,
 ) -> list[Any]:
     """Run ``target`` ("module:function") as ``function(**kwargs)`` on ``world_size`` ranks.
 
     Returns each rank's return value (rank order). If a rank fails or the run passes ``timeout``
     seconds, every rank is killed and ``RankFailed`` names the rank with its log. With
     ``expect_failure=True`` all ranks run to their end and the logs come back as ``{rank: text}``.
-    Unless ``fresh``, ``env`` or ``expect_failure`` is given, the run goes to the kept world of its size.
+    Unless ``env`` or ``expect_failure`` is given, the run goes to the kept world of its size.
     """
-    if not (fresh or env or expect_failure) and os.environ.get("SHARDLAB_TEST_FRESH_WORLDS") != "1":
+    if not (env or expect_failure) and os.environ.get("SHARDLAB_TEST_FRESH_WORLDS") != "1":
         from tests.helpers.worlds import kept_world
 
         return kept_world(world_size).run(target, kwargs or {}, timeout)
