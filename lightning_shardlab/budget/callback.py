@@ -28,7 +28,7 @@ from lightning_shardlab.budget.report import Measured, Run, rank_report
 from lightning_shardlab.budget.tables import print_budget
 from lightning_shardlab.budget.tiers import tier_counters
 from lightning_shardlab.comm import collectives
-from lightning_shardlab.sharding.sharded_model import sharded_model_of
+from lightning_shardlab.sharding.lookup import sharded_model_of
 
 STEP_KEYS = (*MEMORY_CATEGORIES, "gathered_peak", "comm_bytes", "comm_seconds", "step_seconds")
 

@@ -23,7 +23,8 @@ from lightning_shardlab.budget.measure import MEMORY_CATEGORIES
 from lightning_shardlab.budget.predict import OptimizerShape, predict_gathered_peak, predict_memory, predict_traffic
 from lightning_shardlab.budget.tiers import offload_of, tier_report
 from lightning_shardlab.core.config import Accumulation
-from lightning_shardlab.sharding.sharded_model import ShardedModel, sharded_model_of
+from lightning_shardlab.sharding.lookup import sharded_model_of
+from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 Traffic = dict[tuple[str, str, str], tuple[float, float, float]]  # (scope, kind, label) -> calls, bytes, seconds
 

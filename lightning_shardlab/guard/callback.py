@@ -16,7 +16,7 @@ import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_shardlab.guard.sanity_guard import SanityConfig, SanityGuard
-from lightning_shardlab.sharding.sharded_model import sharded_model_of
+from lightning_shardlab.sharding.lookup import sharded_model_of
 
 
 class ShardLabSanity(L.Callback):

@@ -14,6 +14,7 @@ In the order a step meets them:
     divergent_units.py  what a collective mismatch between units means, and the fix
     build.py            ``shard_model``: a module made into units of flat parameters, in place
     sharded_model.py    ``ShardedModel``: the units of one module, a step, the refresh after it
+    lookup.py           ``sharded_model_of(trainer)``: how the callbacks find it
     placeholders.py     a stage-3 parameter at rest: its shape answers, every read of its values raises
     optimizer.py        ``Sharded<Class>``: the user's optimizer over the module's parameters, stepping the
                         master shards; the global gradient norm

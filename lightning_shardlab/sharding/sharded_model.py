@@ -14,7 +14,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -370,19 +370,6 @@ class ShardedModel:
         out = torch.empty(fp.layout.padded_numel, dtype=shard.dtype, device=shard.device)
         collectives.all_gather(out, shard, self.mesh.shard, label=f"state_dict {fp.layout.name}")
         return out
-
-
-def sharded_model_of(trainer: Any, required_by: str | None = None) -> ShardedModel | None:
-    """The sharded model of ``trainer``: None under another strategy (or before setup), unless ``required_by``
-    names who needs it, then a clear error. The strategy imports the callbacks, not the other way round, so
-    they find the model through the trainer."""
-    sharded = getattr(trainer.strategy, "sharded", None)
-    if isinstance(sharded, ShardedModel) or required_by is None:
-        return sharded if isinstance(sharded, ShardedModel) else None
-    raise ValueError(
-        f"{required_by} needs the shardlab strategy, got {type(trainer.strategy).__name__}. HINT: pass"
-        " strategy=ShardLabStrategy(...) (or 'shardlab') to the Trainer."
-    )
 
 
 def broadcast_buffers(module: nn.Module, comm: Comm, label: str) -> None:

@@ -32,7 +32,8 @@ import lightning as L
 
 from lightning_shardlab.core.config import check_bool, check_in_range, check_int
 from lightning_shardlab.sharding.averages import Averages
-from lightning_shardlab.sharding.sharded_model import ShardedModel, sharded_model_of
+from lightning_shardlab.sharding.lookup import sharded_model_of
+from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 
 class ShardLabEMA(L.Callback):

@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.core.config import check_int, check_positive
-from lightning_shardlab.sharding.sharded_model import sharded_model_of
+from lightning_shardlab.sharding.lookup import sharded_model_of
 from lightning_shardlab.vitals.dashboard import VitalsHistory, write_dashboard
 
 
