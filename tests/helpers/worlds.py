@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -76,5 +77,8 @@ def kept_world(world_size: int) -> KeptWorld:
 
 @atexit.register
 def _end_all() -> None:
+    """At the session's end: the worlds still running are ended and their folders removed (a world that a
+    failing job ended keeps its folder: its logs are the failure's)."""
     for world in list(_WORLDS.values()):
         world.end()
+        shutil.rmtree(world.dir, ignore_errors=True)
