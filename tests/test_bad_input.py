@@ -86,7 +86,7 @@ def test_unsupported_precision_is_refused_at_trainer_construction() -> None:
 
 def test_non_elementwise_optimizer_is_refused_with_the_reason() -> None:
     sharded = shard_model(OddNet(), ShardLabConfig(), Comm.single())
-    with pytest.raises(ValueError, match="LBFGS cannot run on parameter shards: it keeps a history"):
+    with pytest.raises(ValueError, match="LBFGS cannot run sharded: its step re-runs the closure"):
         shard_optimizer(torch.optim.LBFGS(sharded.module.parameters()), sharded)
 
 

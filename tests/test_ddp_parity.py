@@ -4,26 +4,37 @@ Each scenario trains the same initial model twice in one set of ranks: once with
 strategy (the reference), once with shardlab at stages 1, 2 and 3. Every rank compares its local loss
 and the global gradient norm at every step; rank 0 compares the final weights (DDP's module state
 against ``full_state_dict()``). fp32 tolerance, at least 6 optimizer steps.
+
+Whole-tensor optimizers (Muon with AdamW, Adafactor) also run a 2x2 hybrid layout on 4 ranks, and count the
+Newton-Schulz iterations every rank ran: each matrix's, once per step, on one rank of the world. torch's Muon
+orthogonalises in bfloat16, where a last-bit difference of an averaged gradient (DDP's all-reduce sums more than
+two ranks in another order) can become a whole bfloat16 step of an update; so their reference is Lightning's DDP
+with the gradients averaged in shardlab's order (``RankOrderDDP``), and the weights must be equal bit for bit.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from unittest import mock
 
 import lightning as L
 import pytest
 import torch
+import torch.optim._muon as muon_impl
 from torch.testing import assert_close
 
 from lightning_shardlab import ShardLabStrategy
 from tests.helpers.launch import run_ranks
-from tests.helpers.reference import FP32
+from tests.helpers.reference import FP32, RankOrderDDP
 from tests.models import (
+    AdafactorGPT,
     BranchyNet,
     GroupedGPT,
     ManualNet,
+    MuonGPT,
     OrderedData,
     ParityModule,
     RegressionNet,
@@ -43,6 +54,7 @@ class Scenario:
     ddp: str = "ddp"
     clip_norm_type: float = 2.0
     local_batch: int = 2
+    whole_tensor: bool = False  # RankOrderDDP; the 2x2 hybrid layout on 4 ranks; weights bit for bit
 
 
 SCENARIOS = {
@@ -83,7 +95,32 @@ SCENARIOS = {
         {},  # default options
         ddp="ddp_find_unused_parameters_true",
     ),
+    # Lightning counts each optimizer's steps: 12 steps are 6 batches, each stepping Muon then AdamW
+    "muon_adamw_manual": Scenario(MuonGPT, token_dataset, {"max_steps": 12}, whole_tensor=True),
+    "adafactor": Scenario(AdafactorGPT, token_dataset, whole_tensor=True),
 }
+
+
+def _layouts(scenario: Scenario, stages: list[int], world_size: int) -> dict[str, dict]:
+    """Strategy options by label: each stage, and for whole-tensor optimizers on 4 ranks a 2x2 hybrid layout."""
+    layouts = {f"stage {s}": {"stage": s} for s in stages}
+    if scenario.whole_tensor and world_size == 4:
+        layouts["2x2 stage 3"] = {"stage": 3, "shard_group_size": 2}
+    return layouts
+
+
+@contextmanager
+def counting_newton_schulz() -> Iterator[list[int]]:
+    """Counts the calls of torch Muon's Newton-Schulz orthogonalisation in this process (one per matrix)."""
+    calls: list[int] = []
+    run = muon_impl._zeropower_via_newtonschulz
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return run(*args, **kwargs)
+
+    with mock.patch.object(muon_impl, "_zeropower_via_newtonschulz", counted):
+        yield calls
 
 
 def _fit(scenario: Scenario, model: ParityModule, strategy: object, world_size: int) -> L.Trainer:
@@ -114,13 +151,19 @@ def ddp_parity(world_size: int, stages: list[int], names: list[str]) -> dict:
         scenario = SCENARIOS[name]
         torch.manual_seed(0)
         initial = scenario.model()
-        reference = copy.deepcopy(initial)
-        _fit(scenario, reference, scenario.ddp, world_size)
-        ref_state = reference.state_dict()
-        for stage in stages:
+        references: dict[int | None, ParityModule] = {}
+        for label, layout in _layouts(scenario, stages, world_size).items():
+            group = layout.get("shard_group_size")
+            if group not in references:
+                references[group] = copy.deepcopy(initial)
+                ddp = RankOrderDDP(group) if scenario.whole_tensor else scenario.ddp
+                _fit(scenario, references[group], ddp, world_size)
+            reference = references[group]
+            ref_state = reference.state_dict()
             model = copy.deepcopy(initial)
-            trainer = _fit(scenario, model, ShardLabStrategy(stage=stage, **scenario.strategy), world_size)
-            where = f"{name}, stage {stage}, rank {trainer.global_rank}"
+            with counting_newton_schulz() as newton_schulz:
+                trainer = _fit(scenario, model, ShardLabStrategy(**layout, **scenario.strategy), world_size)
+            where = f"{name}, {label}, rank {trainer.global_rank}"
             assert len(model.losses) == len(reference.losses) >= 6, where
             assert_close(
                 torch.stack(model.losses), torch.stack(reference.losses), **FP32, msg=lambda m: f"losses: {where}\n{m}"
@@ -137,10 +180,11 @@ def ddp_parity(world_size: int, stages: list[int], names: list[str]) -> dict:
                 assert list(state) == list(ref_state), where
                 for key, value in ref_state.items():
                     assert_close(state[key], value, **FP32, msg=lambda m, k=key: f"{k}: {where}\n{m}")
+                    assert torch.equal(state[key], value) or not scenario.whole_tensor, f"{key}: {where}"
                 frozen = [n for n, p in initial.named_parameters() if not p.requires_grad]
                 for key in frozen:  # bit for bit unchanged
                     assert torch.equal(state[key], initial.state_dict()[key]), f"{key}: {where}"
-            report[(name, stage)] = len(model.losses)
+            report[(name, label)] = (len(model.losses), len(newton_schulz))
     return report
 
 
@@ -164,4 +208,9 @@ def test_every_stage_matches_lightning_ddp(world_size: int) -> None:
         timeout=900,
     )
     for report in reports:
-        assert sorted(report) == sorted((n, s) for n in names for s in (1, 2, 3))
+        expected = [(n, label) for n in names for label in _layouts(SCENARIOS[n], [1, 2, 3], world_size)]
+        assert sorted(report) == sorted(expected)
+    # Muon: each of the 12 block matrices orthogonalised once per batch (6), on exactly one rank of the world
+    for label in _layouts(SCENARIOS["muon_adamw_manual"], [1, 2, 3], world_size):
+        counts = [report[("muon_adamw_manual", label)][1] for report in reports]
+        assert sum(counts) == 12 * 6 and all(counts), (label, counts)

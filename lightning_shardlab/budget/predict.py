@@ -100,6 +100,8 @@ class Traffic:
     reduce_scatter_calls: int = 0
     reduce_scatter_bytes: int = 0
     by_scope: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    all_to_all_calls: float = 0  # whole-tensor optimizers' exchanges (budget/whole_tensor.py): sent bytes
+    all_to_all_bytes: float = 0
 
     @property
     def bytes(self) -> int:
@@ -114,7 +116,16 @@ class Traffic:
             return sum(calls for calls, _ in entries), sum(nbytes for _, nbytes in entries)
 
         (ag_calls, ag_bytes), (rs_calls, rs_bytes) = total("all_gather"), total("reduce_scatter")
-        return Traffic(ag_calls, ag_bytes, rs_calls, rs_bytes, by_scope)
+        a2a_calls, a2a_bytes = total("all_to_all")
+        return Traffic(ag_calls, ag_bytes, rs_calls, rs_bytes, by_scope, a2a_calls, a2a_bytes)
+
+    def with_exchanges(self, calls: float, nbytes: float) -> Traffic:
+        """The same, with the all-to-alls of whole-tensor optimizers (in the world group) added."""
+        by_scope = {
+            scope: {kind: list(entry) for kind, entry in kinds.items()} for scope, kinds in self.by_scope.items()
+        }
+        file_call(by_scope, "world", "all_to_all", calls, nbytes)
+        return Traffic.of(by_scope)
 
     def scope_bytes(self, *scopes: str, kind: str | None = None) -> int:
         """Bytes filed under any of ``scopes`` (of one ``kind``, or all)."""
@@ -125,7 +136,7 @@ class Traffic:
         return sum(calls for s in scopes for k, (calls, _) in self.by_scope.get(s, {}).items() if kind in (None, k))
 
 
-def file_call(by_scope: dict[str, dict[str, list[int]]], scope: str, kind: str, calls: int, nbytes: int) -> None:
+def file_call(by_scope: dict[str, dict[str, list[int]]], scope: str, kind: str, calls: float, nbytes: float) -> None:
     """Add ``calls`` calls moving ``nbytes`` in all to ``by_scope[scope][kind]`` (nothing when no call)."""
     if calls:
         entry = by_scope.setdefault(scope, {}).setdefault(kind, [0, 0])

@@ -4,7 +4,7 @@
 through ``budget.watch``). ``rank_report`` assembles this rank's figures into the plain dict every rank
 sends to rank 0 at the end (and that ``shardlab_budget.json`` holds): memory by category measured and
 predicted, the gathered peak, the units as they ran, communication per step by kind, by group and by call,
-and the offload tiers.
+the offload tiers, and what whole-tensor optimizers' owners hold (budget/whole_tensor.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES
 from lightning_shardlab.budget.predict import OptimizerShape, predict_gathered_peak, predict_memory, predict_traffic
 from lightning_shardlab.budget.tiers import offload_of, tier_report
+from lightning_shardlab.budget.whole_tensor import state_bytes_predicted, whole_tensor_report
 from lightning_shardlab.core.config import Accumulation
 from lightning_shardlab.sharding.lookup import sharded_model_of
 from lightning_shardlab.sharding.sharded_model import ShardedModel
@@ -91,6 +92,14 @@ def rank_report(run: Run, measured: Measured) -> dict[str, Any]:
         replicas=mesh.replica.world_size,
         reshard_size=reshard,
     )
+    whole = whole_tensor_report(sharded, run.optimizers, run.step)
+    if whole["optimizers"]:
+        traffic = traffic.with_exchanges(whole["all_to_all_calls"], whole["all_to_all_bytes"])
+    memory_predicted = predict_memory(
+        layouts, sharded.config.stage, sharded.policy, mesh.shard.rank, optimizer, offload_of(sharded)
+    )
+    if whole["optimizers"]:  # each parameter's state by the optimizer that holds it
+        memory_predicted["optimizer_state"] = state_bytes_predicted(sharded, run.optimizers)
     comm, by_scope, by_unit = per_step(measured.training, steps)
     step_seconds = measured.step_seconds / steps
     return {
@@ -104,9 +113,7 @@ def rank_report(run: Run, measured: Measured) -> dict[str, Any]:
         "reshard_after_forward": sharded.config.reshard_after_forward,
         "memory_measured": {k: measured.last[k] for k in (*MEMORY_CATEGORIES, "gathered_peak")},
         "memory_predicted": {
-            **predict_memory(
-                layouts, sharded.config.stage, sharded.policy, mesh.shard.rank, optimizer, offload_of(sharded)
-            ),
+            **memory_predicted,
             "gathered_peak": predict_gathered_peak(units, sharded.config.stage, sharded.policy, reshard),
         },
         "process_peak_bytes": process_peak_bytes(sharded.comm.device),
@@ -116,6 +123,7 @@ def rank_report(run: Run, measured: Measured) -> dict[str, Any]:
         "comm_predicted_per_step": vars(traffic),
         "step_seconds": step_seconds,
         "comm_share_of_step": sum(c["seconds"] for c in comm.values()) / max(step_seconds, 1e-12),
+        "whole_tensor": whole["optimizers"],
         **tier_report(sharded, run.optimizers, optimizer),
         "storage_io_per_step": dict(
             zip(("read", "written", "offload_seconds"), (v / steps for v in measured.storage_io))

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.sharding.flat_param import FlatParam
-from lightning_shardlab.sharding.optimizer import is_per_element
+from lightning_shardlab.sharding.optimizer import is_per_element, state_shape
 from lightning_shardlab.sharding.placeholders import placeholders_allowed
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
@@ -135,7 +135,7 @@ def full_optimizer_state(optimizer: Optimizer, sharded: ShardedModel) -> dict[st
     local = optimizer.state_dict()
     index = optimizer_index(optimizer, sharded)
     layout = [
-        (i, key, is_per_element(key, v, index[i][0].shape))
+        (i, key, is_per_element(key, v, state_shape(optimizer, index[i][0].shape)))
         for i, state in local["state"].items()
         for key, v in state.items()
     ]
@@ -143,7 +143,7 @@ def full_optimizer_state(optimizer: Optimizer, sharded: ShardedModel) -> dict[st
         (i, k): v
         for i, s in local["state"].items()
         for k, v in s.items()
-        if not is_per_element(k, v, index[i][0].shape)
+        if not is_per_element(k, v, state_shape(optimizer, index[i][0].shape))
     }
     everyone = collectives.all_gather_object((sorted(layout, key=str), scalars), sharded.comm, label="optimizer state")
     union = sorted({entry for keys, _ in everyone for entry in keys}, key=str)
@@ -199,6 +199,7 @@ def load_full_optimizer_state(optimizer: Optimizer, sharded: ShardedModel, state
         start = fp.layout.shard_range(fp.rank)[0]
         a, b = start + lo - slot.offset, start + hi - slot.offset  # this rank's part, in the parameter's elements
         sliced[int(i)] = {
-            k: v.reshape(-1)[a:b].clone() if is_per_element(k, v, slot.shape) else v for k, v in state.items()
+            k: v.reshape(-1)[a:b].clone() if is_per_element(k, v, state_shape(optimizer, slot.shape)) else v
+            for k, v in state.items()
         }
     optimizer.load_state_dict({"state": sliced, "param_groups": groups})

@@ -55,19 +55,22 @@ from lightning_shardlab.checkpoint.rank_state import KeyPath, differing_paths, g
 from lightning_shardlab.checkpoint.shard_tensors import shard_tensors
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.sharding.flat_param import FlatParam
-from lightning_shardlab.sharding.optimizer import is_per_element
+from lightning_shardlab.sharding.optimizer import is_per_element, state_shape
 from lightning_shardlab.sharding.placeholders import placeholders_allowed
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 
-def _optimizer_summary(state: Mapping[str, Any], index: list[tuple[Tensor, FlatParam, int]]) -> dict[str, Any]:
-    """This rank's optimizer state split into per-element keys (with dtypes) and scalar values, by index."""
+def _optimizer_summary(
+    optimizer: Optimizer, state: Mapping[str, Any], index: list[tuple[Tensor, FlatParam, int]]
+) -> dict[str, Any]:
+    """This rank's optimizer state split into per-element keys (with dtypes) and scalar values, by index (a
+    whole-tensor optimizer's state is all per-parameter: each parameter's owner holds it whole)."""
     per_element: dict[int, dict[str, str]] = {}
     scalars: dict[int, dict[str, Any]] = {}
     for j, entries in state["state"].items():
         view = index[j][0]
         for key, value in entries.items():
-            if is_per_element(key, value, view.shape):
+            if is_per_element(key, value, state_shape(optimizer, view.shape)):
                 per_element.setdefault(j, {})[key] = dtype_name(value.dtype)
             else:
                 scalars.setdefault(j, {})[key] = value
@@ -110,7 +113,7 @@ def save_sharded(
         "path": str(final),
         "tmp_id": new_id(),
         "digests": tree_digests(checkpoint),
-        "optim": [_optimizer_summary(s, i) for s, i in zip(states, indexes)],
+        "optim": [_optimizer_summary(o, s, i) for o, s, i in zip(optimizers, states, indexes)],
     }
     everyone = collectives.all_gather_object(mine, comm, label="checkpoint plan")  # 1.
     same_destination([e["path"] for e in everyone], "save")

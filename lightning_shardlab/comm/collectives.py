@@ -22,7 +22,7 @@ from torch import Tensor
 from lightning_shardlab.comm.call import CollectiveCall, CollectiveObserver
 from lightning_shardlab.comm.labels import phase
 from lightning_shardlab.comm.ledger import Ledger
-from lightning_shardlab.comm.transport import Builtin, Launched
+from lightning_shardlab.comm.transport import Builtin, Launched, pairwise_all_to_all
 from lightning_shardlab.comm.verify import HEADER, HeaderExchange, Headers
 from lightning_shardlab.comm.wire import KEPT_AFTER_FAILURE, MIN_LIMIT, Wire
 
@@ -90,16 +90,22 @@ class Comm:
         """The world rank of this group's ``rank``."""
         return rank if self.ranks is None else self.ranks[rank]
 
-    def start(self, kind: str, label: str, tensor: Tensor | None) -> CollectiveCall:
-        """A call is launched: it counts now, with the bytes of its full tensor (its seconds at ``finish``)."""
-        self.ledger.record_launch(
-            kind, label, 0 if tensor is None else tensor.numel() * tensor.element_size(), self.scope
-        )
+    def start(
+        self, kind: str, label: str, tensor: Tensor | None, sizes: tuple[int, int] | None = None
+    ) -> CollectiveCall:
+        """A call is launched: it counts now, with the bytes of its full tensor (its seconds at ``finish``).
+        ``sizes`` (an all-to-all, whose parts differ by rank): (numel of the whole exchange, the same on every
+        rank, for its fingerprint; bytes this rank sends, for the ledger)."""
+        numel = 0 if tensor is None else tensor.numel()
+        nbytes = numel * (0 if tensor is None else tensor.element_size())
+        if sizes is not None:
+            numel, nbytes = sizes
+        self.ledger.record_launch(kind, label, nbytes, self.scope)
         call = CollectiveCall(
             self.seq,
             kind,
             label,
-            0 if tensor is None else tensor.numel(),
+            numel,
             "object" if tensor is None else str(tensor.dtype).removeprefix("torch."),
             self.scope,
         )
@@ -181,11 +187,12 @@ def _run(
     launch: Callable[[CollectiveCall], Any],
     finish: Callable[[], None] | None,
     async_op: bool,
+    sizes: tuple[int, int] | None = None,
 ) -> Pending:
     """Announce the call to the observers, launch it, and (unless async) wait for it.
 
     ``launch(call)`` returns a work or a ``Launched``; ``finish`` runs after the launched finishing step."""
-    call = comm.start(kind, label, full)
+    call = comm.start(kind, label, full, sizes)
     with phase(kind, label):
         started = time.perf_counter()
         with comm.blocking():  # a payload larger than the wire's room waits for the headers here
@@ -252,6 +259,31 @@ def reduce_scatter(shard: Tensor, full: Tensor, comm: Comm, label: str = "", asy
         transport = comm.transports["reduce_scatter"]
         launch = lambda call: transport.reduce_scatter_sum(out, inp, comm.group, comm.rank, world)  # noqa: E731
     return _run(comm, "reduce_scatter", label, full, launch, finish, async_op)
+
+
+def all_to_all(sends: list[Tensor], recvs: list[Tensor], comm: Comm, numel: int, label: str = "") -> None:
+    """parts -> their ranks: ``recvs[p]`` (1-D, the size rank p sends here) receives rank p's ``sends[rank]``
+    (1-D, one dtype); ``sends[rank]`` is copied into ``recvs[rank]``. ``numel``: the elements the whole exchange
+    moves between all pairs (the same on every rank). The ledger counts the bytes this rank sends."""
+    me = comm.rank
+    if recvs[me].numel():
+        recvs[me].copy_(sends[me])
+    if comm.world_size == 1:
+        return
+    nbytes = sum(t.numel() * t.element_size() for p, t in enumerate(sends) if p != me)
+    outs = [_staged(t, comm) for t in recvs]
+    ins = [_staged(t, comm) for t in sends]
+
+    def finish() -> None:
+        for out, recv in zip(outs, recvs):
+            if out is not recv:
+                recv.copy_(out)
+
+    if comm.wire is not None:
+        launch = lambda call: comm.wire.all_to_all(call, outs, ins)  # noqa: E731
+    else:
+        launch = lambda call: pairwise_all_to_all(outs, ins, comm.group, me, comm.world_size)  # noqa: E731
+    _run(comm, "all_to_all", label, sends[me], launch, finish, async_op=False, sizes=(numel, nbytes))
 
 
 def all_reduce(tensor: Tensor, comm: Comm, op: str = "sum", label: str = "") -> Tensor:

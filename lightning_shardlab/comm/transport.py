@@ -32,7 +32,7 @@ class Launched:
     check: Callable[[], None] | None = None
 
 
-AG_TAG, RS_TAG = 11, 12  # separate channels, so an all-gather and a reduce-scatter in flight never pair up
+AG_TAG, RS_TAG, A2A_TAG = 11, 12, 13  # separate channels: calls of different kinds in flight never pair up
 
 
 class Builtin:
@@ -82,6 +82,20 @@ class Pairwise:
 
 
 TRANSPORTS = {t.name: t for t in (Builtin, Pairwise)}
+
+
+def pairwise_all_to_all(outs: list[Tensor], ins: list[Tensor], group: Any, rank: int, world: int) -> Launched:
+    """``outs[p]`` receives peer p's part for this rank, ``ins[p]`` goes to peer p; one round of point-to-point
+    messages (both sides know every size, so empty parts are not sent at all)."""
+    ops = []
+    for peer in range(world):
+        if peer == rank:
+            continue
+        if ins[peer].numel():
+            ops.append(dist.P2POp(dist.isend, ins[peer], global_rank(group, peer), group, A2A_TAG))
+        if outs[peer].numel():
+            ops.append(dist.P2POp(dist.irecv, outs[peer], global_rank(group, peer), group, A2A_TAG))
+    return Launched(dist.batch_isend_irecv(ops) if ops else [])
 
 
 def global_rank(group: Any, peer: int) -> int:

@@ -50,6 +50,7 @@ KINDS = (
     "all_gather",
     "reduce_scatter",
     "all_reduce",
+    "all_to_all",
     "broadcast",
     "all_gather_object",
     "barrier",

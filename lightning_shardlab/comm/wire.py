@@ -20,6 +20,7 @@ in different operations still exchange the same messages and see each other's he
     all_gather       send my shard to each peer; receive theirs straight into the full buffer
     reduce_scatter   send each peer its chunk; receive mine from each; sum in rank order
     all_reduce       send my tensor to each peer; receive theirs; reduce in rank order
+    all_to_all       send each peer its part (at least one element); receive mine from each
     broadcast        the source sends its tensor, the others a 1-byte placeholder
     objects, barrier headers first (with the pickled sizes), then exact payloads; a barrier has none
 
@@ -170,6 +171,17 @@ class Wire:
             flat.copy_(result)
 
         return self._exchange(call, dict.fromkeys(self.peers, flat), recvs, finish)
+
+    def all_to_all(self, call: Any, outs: list[Tensor], ins: list[Tensor]) -> Launched:
+        """``outs[p]`` gets peer p's part for this rank, ``ins[p]`` goes to peer p (parts of any size)."""
+        sends = {p: ins[p] if ins[p].numel() else torch.zeros(1, dtype=ins[p].dtype) for p in self.peers}
+        recvs = {p: self._room(outs[p].numel() * outs[p].element_size()) for p in self.peers}
+
+        def finish() -> None:
+            for p in self.peers:
+                _bytes(outs[p]).copy_(recvs[p][: outs[p].numel() * outs[p].element_size()])
+
+        return self._exchange(call, sends, recvs, finish)
 
     def broadcast(self, call: Any, tensor: Tensor, src: int) -> Launched:
         """In place: every rank's ``tensor`` becomes rank ``src``'s."""

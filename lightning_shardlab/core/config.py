@@ -181,6 +181,11 @@ class ShardLabConfig:
     """Extra optimizer classes (classes, import paths or a mix, held as classes) whose update is elementwise,
     so a shard-local step is exact."""
 
+    whole_tensor_optimizers: tuple[type[torch.optim.Optimizer], ...] = ()
+    """Extra optimizer classes (classes, import paths or a mix, held as classes) whose update of a parameter
+    reads the whole parameter (Muon and Adafactor are known already): each parameter they step has one owner
+    rank, which receives its whole averaged gradient and runs the optimizer's own update on it."""
+
     state_dict_type: str = "sharded"
     """Checkpoints: 'sharded' (a directory in which every rank writes its own slices) or 'full' (one plain
     Lightning file, gathered on rank 0, loadable without this package). Loading reads either, at any
@@ -242,6 +247,14 @@ class ShardLabConfig:
         object.__setattr__(self, "unit_classes", class_list("unit_classes", self.unit_classes, nn.Module))
         optimizers = class_list("elementwise_optimizers", self.elementwise_optimizers, torch.optim.Optimizer)
         object.__setattr__(self, "elementwise_optimizers", optimizers)
+        whole = class_list("whole_tensor_optimizers", self.whole_tensor_optimizers, torch.optim.Optimizer)
+        object.__setattr__(self, "whole_tensor_optimizers", whole)
+        both = [c.__name__ for c in optimizers if c in whole]
+        if both:
+            raise ValueError(
+                f"{', '.join(both)} is listed in both elementwise_optimizers and whole_tensor_optimizers."
+                " HINT: list each optimizer class in one of them."
+            )
 
     def _check_groups(self) -> None:
         k, g = self.reshard_after_forward, self.shard_group_size

@@ -15,7 +15,10 @@
     load_state_dict    loads beside the master views, so state keeps their dtype and device
 
 A step on a slice equals the slice of a full step only when the update of each element depends on that
-element alone; optimizers that are not elementwise are refused.
+element alone. Optimizers whose update reads the whole parameter (Muon, Adafactor, and the classes of the
+``whole_tensor_optimizers`` option) step whole parameters instead, each on its owner rank
+(sharding/whole_step.py): the same methods, with ``whole_tensors_in_place`` in place of ``masters_in_place``.
+Optimizers that are neither are refused, naming why.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.core.config import class_path
 from lightning_shardlab.sharding.sharded_model import ShardedModel
+from lightning_shardlab.sharding.whole_step import plan_of, state_placeholder, whole_tensors_in_place
 
 ELEMENTWISE: tuple[type[Optimizer], ...] = (
     torch.optim.SGD,
@@ -51,11 +55,13 @@ ELEMENTWISE: tuple[type[Optimizer], ...] = (
     torch.optim.ASGD,
 )
 
-NOT_ELEMENTWISE: dict[str, str] = {
-    "LBFGS": "it keeps a history of whole-model update directions and line-searches along them",
-    "Adafactor": "it factors each matrix's second moment into row and column statistics of the whole matrix",
-    "Muon": "it orthogonalises each whole weight matrix",
-    "SparseAdam": "it needs sparse gradients of whole embedding tables",
+WHOLE_TENSOR: tuple[type[Optimizer], ...] = (torch.optim.Muon, torch.optim.Adafactor)
+
+# what no owner rank can make exact, and why
+REFUSED: dict[str, str] = {
+    "LBFGS": "its step re-runs the closure (a forward and backward every rank must take part in) during a"
+    " line search along one direction over all parameters of the model together",
+    "SparseAdam": "it needs sparse gradients, which cannot be reduce-scattered into flat shards",
 }
 
 
@@ -114,40 +120,62 @@ class OptimizerShape:
         return OptimizerShape(STATE_TENSORS[key] if key != "SGD" else 1, SCALAR_STATE_BYTES.get(key, 0))
 
 
-def is_per_element(key: str, value: Any, shape: torch.Size) -> bool:
+def is_per_element(key: str, value: Any, shape: torch.Size | None) -> bool:
     """Whether optimizer state ``key`` holds one value per element of its parameter (of ``shape``: the full
     parameter's, or its master view's): a tensor of the parameter's shape other than the step counter. Both
     checkpoint formats slice and gather exactly these; everything else is per-parameter and replicated."""
     return isinstance(value, Tensor) and key != "step" and value.shape == shape
 
 
-def check_elementwise(optimizer: Optimizer, extra: tuple[type[Optimizer], ...] = ()) -> None:
-    """Raise ``ValueError`` unless a step on a shard equals the same slice of an unsharded step (``extra``: the
-    classes of the ``elementwise_optimizers`` option)."""
+def check_optimizer(
+    optimizer: Optimizer, elementwise: tuple[type[Optimizer], ...] = (), whole: tuple[type[Optimizer], ...] = ()
+) -> bool:
+    """Whether ``optimizer`` steps whole parameters (True) or shards (False); ``ValueError`` when neither is
+    exact (``elementwise``, ``whole``: the classes of the options of those names)."""
     cls = type(optimizer)
-    if cls in ELEMENTWISE + tuple(extra):
-        return
-    hint = (
-        " HINT: use an elementwise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...) or, if each element's"
-        " update depends only on its own value, gradient and state, list the class in"
-        f" elementwise_optimizers=['{class_path(cls)}']."
-    )
-    if cls.__name__ in NOT_ELEMENTWISE:
+    if cls in ELEMENTWISE + tuple(elementwise):
+        return False
+    if cls in WHOLE_TENSOR + tuple(whole):
+        return True
+    if cls.__name__ in REFUSED:
         raise ValueError(
-            f"{cls.__name__} cannot run on parameter shards: {NOT_ELEMENTWISE[cls.__name__]}, so a step on a"
-            f" shard would differ from the unsharded step.{hint}"
+            f"{cls.__name__} cannot run sharded: {REFUSED[cls.__name__]}. HINT: use another optimizer (AdamW, SGD,"
+            " Muon, Adafactor, ...)."
         )
-    base = next((b for b in ELEMENTWISE if issubclass(cls, b)), None)
-    if base is not None and cls.step is base.step:
-        return  # a subclass that keeps its base's update (e.g. adds logging)
-    raise ValueError(f"{cls.__name__} is not known to update elementwise; sharding it could change results.{hint}")
+    for known, is_whole in ((ELEMENTWISE, False), (WHOLE_TENSOR, True)):
+        base = next((b for b in known if issubclass(cls, b)), None)
+        if base is not None and cls.step is base.step:
+            return is_whole  # a subclass that keeps its base's update (e.g. adds logging)
+    raise ValueError(
+        f"{cls.__name__} is not known to update elementwise or per whole tensor; sharding it could change results."
+        " HINT: if each element's update depends only on its own value, gradient and state, list the class in"
+        f" elementwise_optimizers=['{class_path(cls)}']; if the update of a parameter reads the whole parameter"
+        f" (as Muon's and Adafactor's do), list it in whole_tensor_optimizers=['{class_path(cls)}']."
+    )
+
+
+def is_whole_tensor(optimizer: Optimizer) -> bool:
+    """Whether a sharded optimizer steps whole parameters on their owners (its state is kept whole there)."""
+    return bool(getattr(optimizer, "_shardlab_whole", False))
+
+
+def state_shape(optimizer: Optimizer, shape: torch.Size) -> torch.Size | None:
+    """The shape per-element state has, for ``is_per_element``: None for a whole-tensor optimizer, whose state
+    is held whole by each parameter's owner (checkpoints keep it as per-parameter state)."""
+    return None if is_whole_tensor(optimizer) else shape
 
 
 def shard_optimizer(optimizer: Optimizer, sharded: ShardedModel) -> None:
     """Make ``optimizer`` step this rank's master shards (every rank, same param groups), in place."""
     if getattr(optimizer, "_shardlab_sharded", None) is sharded:
         return  # set up already (Fabric's setup_optimizers after setup)
-    check_elementwise(optimizer, sharded.config.elementwise_optimizers)
+    config = sharded.config
+    whole = check_optimizer(optimizer, config.elementwise_optimizers, config.whole_tensor_optimizers)
+    if whole and config.offload != "none":
+        raise ValueError(
+            f"{type(optimizer).__name__} steps whole parameters on their owner ranks, which is not built for"
+            f" offload={config.offload!r}. HINT: use offload='none' with whole-tensor optimizers."
+        )
     if optimizer.state:
         raise ValueError(
             f"{type(optimizer).__name__} already has state, so it was stepped before sharding."
@@ -156,7 +184,7 @@ def shard_optimizer(optimizer: Optimizer, sharded: ShardedModel) -> None:
     for index, group in enumerate(optimizer.param_groups):
         _check_params(optimizer, sharded, group["params"], f"param group {index}")
     cls = type(optimizer)
-    optimizer.__class__ = type(f"Sharded{cls.__name__}", (cls,), _sharded_methods(cls, sharded))
+    optimizer.__class__ = type(f"Sharded{cls.__name__}", (cls,), _sharded_methods(cls, sharded, whole))
     _rewrap_lr_scheduler(optimizer)
     optimizer.register_step_post_hook(
         lambda opt, args, kwargs: sharded.after_optimizer_step(sharded.flat_params_of(_originals(opt)))
@@ -179,16 +207,17 @@ def _originals(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _sharded_methods(cls: type[Optimizer], sharded: ShardedModel) -> dict[str, Any]:
+def _sharded_methods(cls: type[Optimizer], sharded: ShardedModel, whole: bool) -> dict[str, Any]:
     hooked = cls.step
     raw = hooked.__wrapped__ if getattr(hooked, "hooked", False) else hooked  # the update, without the hooks
+    in_place = whole_tensors_in_place if whole else masters_in_place
 
     def step(self: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with masters_in_place(self, sharded):
+        with in_place(self, sharded):
             update = getattr(self, "_shardlab_update", None)  # offload='disk' steps one flat parameter at a time
             update(raw) if update is not None else raw(self)
         return loss
@@ -209,7 +238,7 @@ def _sharded_methods(cls: type[Optimizer], sharded: ShardedModel) -> dict[str, A
         cls.add_param_group(self, param_group)
 
     def load_state_dict(self: Optimizer, state_dict: dict[str, Any]) -> None:
-        with masters_in_place(self, sharded):
+        with (placeholders_in_place if whole else masters_in_place)(self, sharded):
             cls.load_state_dict(self, state_dict)
 
     hooked_step = Optimizer.profile_hook_step(step)
@@ -220,6 +249,7 @@ def _sharded_methods(cls: type[Optimizer], sharded: ShardedModel) -> dict[str, A
         "add_param_group": add_param_group,
         "load_state_dict": load_state_dict,
         "_shardlab_sharded": sharded,
+        "_shardlab_whole": whole,
     }
 
 
@@ -247,6 +277,29 @@ def masters_in_place(optimizer: Optimizer, sharded: ShardedModel) -> Iterator[No
             m = masters.get(id(p))
             if m is not None and id(m) == m_id and m in optimizer.state:
                 optimizer.state[p] = optimizer.state.pop(m)
+
+
+@contextmanager
+def placeholders_in_place(optimizer: Optimizer, sharded: ShardedModel) -> Iterator[None]:
+    """For a whole-tensor optimizer's load: its param groups hold memoryless tensors of each parameter's whole
+    shape in the master's dtype and device (what loaded state is cast to); afterwards this rank keeps the state
+    of the parameters it owns only."""
+    plan = plan_of(optimizer, sharded)
+    stand_ins = {id(p): state_placeholder(p, plan) for p in plan.params}
+    back = {id(stand_ins[id(p)]): p for p in plan.params}
+    for group in optimizer.param_groups:
+        group["params"] = [stand_ins.get(id(p), p) for p in group["params"]]
+    try:
+        yield
+    finally:
+        for group in optimizer.param_groups:
+            group["params"] = [back.get(id(t), t) for t in group["params"]]
+        for p in plan.params:
+            t = stand_ins[id(p)]
+            if t in optimizer.state:
+                state = optimizer.state.pop(t)
+                if plan.owns(p):
+                    optimizer.state[p] = state
 
 
 def _rewrap_lr_scheduler(optimizer: Optimizer) -> None:

@@ -6,6 +6,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 
 from lightning_shardlab import Comm
@@ -49,3 +50,42 @@ def mean_over_ranks(value: Tensor, comm: Comm) -> Tensor:
     if comm.world_size > 1:
         dist.all_reduce(value)
     return value / comm.world_size
+
+
+def _sum_in_order(parts: list[Tensor]) -> Tensor:
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total.add_(part)
+    return total
+
+
+def rank_order_mean(shard_group_size: int | None, bucket: dist.GradBucket) -> torch.futures.Future:
+    """A DDP communication hook: the mean of the bucket's gradients summed as shardlab's verified collectives
+    sum them, in rank order: inside each shard group of ``shard_group_size`` ranks (its sum divided by the
+    group's size), then across the groups (divided by their count)."""
+    grads = bucket.buffer()
+    parts = [torch.empty_like(grads) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, grads)
+    g = shard_group_size or len(parts)
+    means = [_sum_in_order(parts[k * g : (k + 1) * g]).div_(g) for k in range(len(parts) // g)]
+    mean = _sum_in_order(means).div_(len(means)) if len(means) > 1 else means[0]
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(mean)
+    return done
+
+
+# DDP checks the hook's annotations as objects (this module's are strings)
+rank_order_mean.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
+
+
+class RankOrderDDP(DDPStrategy):
+    """Lightning's DDP, its gradients averaged in shardlab's order of summation (``rank_order_mean``). The
+    reference for updates that round to bfloat16 (torch's Muon): with DDP's own all-reduce the mean over more
+    than two ranks can differ in its last fp32 bit, which one bfloat16 rounding can turn into a whole step."""
+
+    def __init__(self, shard_group_size: int | None = None) -> None:
+        super().__init__()
+        self.shard_group_size = shard_group_size
+
+    def _register_ddp_hooks(self) -> None:  # Lightning registers hooks on CUDA only
+        self.model.register_comm_hook(self.shard_group_size, rank_order_mean)

@@ -5,10 +5,12 @@ from tests.models.gpt import OrderedData, TinyGPT, global_batches, token_dataset
 from tests.models.loops import ByIndex, Checkpointed, DictValues, Looped, Reused, SkipsOne
 from tests.models.meta import Block2, WideBlocks
 from tests.models.parity import (
+    AdafactorGPT,
     BranchyNet,
     ConvBlock,
     GroupedGPT,
     ManualNet,
+    MuonGPT,
     ParityModule,
     RegressionNet,
     TinyCNN,
@@ -32,6 +34,8 @@ __all__ = [
     "ConvBlock",
     "TinyCNN",
     "ManualNet",
+    "MuonGPT",
+    "AdafactorGPT",
     "BranchyNet",
     "regression_dataset",
     "image_dataset",

@@ -182,3 +182,53 @@ def regression_dataset(n: int, seed: int = 3) -> TensorDataset:
 def image_dataset(n: int, seed: int = 4) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randn(n, 3, 9, 9, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def _muon_and_rest(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The usual Muon recipe: the blocks' matrices for Muon, everything else (embeddings, norms) for AdamW."""
+    named = list(module.named_parameters())
+    matrices = [p for n, p in named if n.startswith("gpt.blocks.") and p.ndim == 2]
+    rest = [p for n, p in named if not (n.startswith("gpt.blocks.") and p.ndim == 2)]
+    return matrices, rest
+
+
+class MuonGPT(ParityModule):
+    """Manual optimisation with two optimizers: Muon on the blocks' matrices, AdamW on the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gpt = TinyGPT(n_layer=3)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        muon, adamw = self.optimizers()
+        loss = self.gpt.loss(batch)
+        self.manual_backward(loss)
+        muon.step()
+        adamw.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+        self.losses.append(loss.detach().clone())
+
+    def configure_optimizers(self) -> list:
+        matrices, rest = _muon_and_rest(self)
+        return [
+            torch.optim.Muon(matrices, lr=0.02, weight_decay=0.1, momentum=0.95),
+            torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.0),
+        ]
+
+
+class AdafactorGPT(ParityModule):
+    """Adafactor alone: factored second moments for the matrices, unfactored for the norms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = TinyGPT(n_layer=3)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self.gpt.loss(batch)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adafactor(self.parameters(), lr=1e-2, weight_decay=0.01)

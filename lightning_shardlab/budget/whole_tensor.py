@@ -1,0 +1,124 @@
+"""The budget of whole-tensor optimizers (Muon, Adafactor): what each rank owns, the state it holds for it, and
+what the owners' exchanges move per step, predicted from the owner plan (sharding/owners.py) and measured.
+
+Optimizer state per owned parameter of shape (..., m, n), in the master's dtype:
+
+    Muon        the momentum buffer, whole: m n elements
+    Adafactor   matrices: row and column statistics, numel / n + numel / m elements, and a float32 step;
+                vectors: a whole second moment and the step
+
+With several optimizers (Muon on the matrices, AdamW on the rest) every parameter's state is predicted by the
+optimizer that holds it: elementwise ones on the parameter's slice in this rank's shard, whole-tensor ones on
+the parameters this rank owns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_shardlab.sharding.optimizer import OptimizerShape, is_whole_tensor
+from lightning_shardlab.sharding.owners import exchange_numel, gather_counts, return_counts
+from lightning_shardlab.sharding.sharded_model import ShardedModel
+from lightning_shardlab.sharding.whole_step import plan_of, stepped_count
+
+STEP_BYTES = 4  # a float32 step counter (Adafactor)
+
+
+def whole_state_bytes(optimizer: Optimizer, shape: torch.Size, itemsize: int) -> int:
+    """Bytes of ``optimizer``'s state for one whole parameter of ``shape`` (see the module docstring); an
+    optimizer of unknown shape is predicted as Adam-like (two whole moments)."""
+    numel = shape.numel()
+    if isinstance(optimizer, torch.optim.Muon):
+        return numel * itemsize
+    if isinstance(optimizer, torch.optim.Adafactor):
+        if len(shape) >= 2:
+            return (numel // shape[-1] + numel // shape[-2]) * itemsize + STEP_BYTES
+        return numel * itemsize + STEP_BYTES
+    return 2 * numel * itemsize
+
+
+def _trained(param: Tensor) -> bool:
+    return param.requires_grad
+
+
+def state_bytes_predicted(sharded: ShardedModel, optimizers: list[Optimizer]) -> int:
+    """This rank's optimizer state in bytes, each parameter by the optimizer that holds it."""
+    masters = sharded.master_params_by_id()
+    total = 0
+    for optimizer in optimizers:
+        params = [p for group in optimizer.param_groups for p in group["params"] if _trained(p)]
+        if is_whole_tensor(optimizer):
+            plan = plan_of(optimizer, sharded)
+            for p in params:
+                if plan.owns(p):
+                    total += whole_state_bytes(optimizer, p.shape, masters[id(p)][1].element_size())
+            continue
+        shape = OptimizerShape.of(optimizer)
+        for p in params:
+            master = masters[id(p)][1]
+            total += master.numel() * shape.per_element * master.element_size() + shape.scalar_bytes
+    return total
+
+
+def _exchange_per_step(sharded: ShardedModel, optimizer: Optimizer) -> tuple[int, int]:
+    """(calls, bytes this rank sends) of one step of ``optimizer``: a gather and a return per master dtype."""
+    plan = plan_of(optimizer, sharded)
+    if plan.geo.world_size == 1:
+        return 0, 0
+    by_dtype: dict[torch.dtype, list[Any]] = {}
+    for p in plan.params:
+        if _trained(p):
+            by_dtype.setdefault(plan.slots[id(p)][0].master.dtype, []).append(plan.entries[id(p)])
+    calls = nbytes = 0
+    for dtype, entries in by_dtype.items():
+        calls += 2
+        sent = gather_counts(entries, plan.geo, plan.rank)[0] + return_counts(entries, plan.geo, plan.rank)[0]
+        nbytes += sum(sent) * dtype.itemsize
+    return calls, nbytes
+
+
+def whole_tensor_report(sharded: ShardedModel, optimizers: list[Optimizer], global_steps: int) -> dict[str, Any]:
+    """Per whole-tensor optimizer: parameters, those this rank owns (count, elements), their state measured and
+    predicted, its steps; and the exchanges predicted per optimizer step of the run (``global_steps``: the
+    Trainer's count, in which each optimizer's step counts)."""
+    masters = sharded.master_params_by_id()
+    out: dict[str, Any] = {"optimizers": [], "all_to_all_calls": 0.0, "all_to_all_bytes": 0.0}
+    for index, optimizer in enumerate(optimizers):
+        if not is_whole_tensor(optimizer):
+            continue
+        plan = plan_of(optimizer, sharded)
+        owned = [p for p in plan.params if plan.owns(p)]
+        measured = sum(
+            v.untyped_storage().nbytes()
+            for p in owned
+            for v in optimizer.state.get(p, {}).values()
+            if isinstance(v, Tensor)
+        )
+        predicted = sum(
+            whole_state_bytes(optimizer, p.shape, masters[id(p)][1].element_size()) for p in owned if _trained(p)
+        )
+        steps = stepped_count(optimizer)
+        calls, nbytes = _exchange_per_step(sharded, optimizer)
+        share = steps / max(global_steps, 1)  # its steps per step of the run (1/2 beside a second optimizer)
+        out["all_to_all_calls"] += calls * share
+        out["all_to_all_bytes"] += nbytes * share
+        gathered, returned = exchange_numel([plan.entries[id(p)] for p in plan.params if _trained(p)], plan.geo)
+        out["optimizers"].append(
+            {
+                "index": index,
+                "optimizer": type(optimizer).__mro__[1].__name__,  # the user's class (Sharded<Class> wraps it)
+                "params": len(plan.params),
+                "owned": len(owned),
+                "owned_numel": sum(p.numel() for p in owned),
+                "total_numel": sum(p.numel() for p in plan.params),
+                "state_bytes_measured": measured,
+                "state_bytes_predicted": predicted,
+                "steps": steps,
+                "exchange_numel_per_step": {"gather": gathered, "return": returned},  # over every pair of ranks
+            }
+        )
+    return out
