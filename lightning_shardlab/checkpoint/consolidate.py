@@ -36,6 +36,7 @@ from lightning_shardlab.checkpoint.format import (
     CheckpointReader,
     parse_dtype,
 )
+from lightning_shardlab.checkpoint.owned_state import read_one
 from lightning_shardlab.checkpoint.stream_save import Deferred, stream_save
 
 
@@ -94,6 +95,11 @@ def _full_optimizer_state(
 ) -> dict[str, Any]:
     record = reader.meta["optimizers"][o]
     state: dict[int, dict[str, Any]] = {int(j): dict(v) for j, v in skeleton["state"].items()}
+    for j, entry in enumerate(record.get("owned") or []):  # a whole-tensor optimizer's, as its owner held it
+        for key, saved in (entry or {}).get("tensors", {}).items():
+            read = functools.partial(read_one, reader, o, j, key)
+            shape, dtype = torch.Size(saved["shape"]), parse_dtype(saved["dtype"])
+            state.setdefault(j, {})[key] = Deferred(shape, dtype, read) if deferred else read()
     for j, keys in enumerate(record["state_keys"]):
         name = record["params"][j]
         index, slot = reader.where[name]

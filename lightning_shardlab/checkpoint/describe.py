@@ -28,6 +28,7 @@ from lightning_shardlab.checkpoint.format import (
     read_json,
     saved_range,
 )
+from lightning_shardlab.checkpoint.owned_state import keys_of
 from lightning_shardlab.core.display import size
 
 
@@ -113,7 +114,11 @@ def _layout(reader: CheckpointReader) -> dict[str, Any]:
         "units": units,
         "parameters": params,
         "optimizers": [
-            {"params": len(o["params"]), "state_keys": sorted({k for ks in o["state_keys"] for k in ks})}
+            {
+                "params": len(o["params"]),
+                "state_keys": sorted({k for ks in o["state_keys"] for k in ks}),
+                "owned_keys": keys_of(o),
+            }
             for o in meta["optimizers"]
         ],
         "rank_state": meta["rank_state"]["paths"],
@@ -181,7 +186,9 @@ def render(info: dict[str, Any]) -> str:
             )
     for o, opt in enumerate(info["optimizers"]):
         keys = ", ".join(opt["state_keys"]) or "none"
-        lines.append(f"  optimizer {o}: {opt['params']} parameters, per-element state {keys}")
+        owned = opt.get("owned_keys")
+        held = f", whole on each parameter's owner: {', '.join(owned)}" if owned else ""
+        lines.append(f"  optimizer {o}: {opt['params']} parameters, per-element state {keys}{held}")
     if info["rank_state"]:
         lines.append("  per-rank side state (each rank's value kept): " + "; ".join(info["rank_state"]))
     lines.append("  parameters (rank r holds elements [a, b) of the parameter, flattened):")

@@ -9,6 +9,8 @@ A sharded checkpoint is a directory, written by N ranks at ZeRO stage s::
       shard-00001-of-00002.pt            rank 1's
       rank-state-00000-of-00002.pt       only when some non-model state differs between ranks: rank 0's values
       rank-state-00001-of-00002.pt       ... rank 1's (see checkpoint/rank_state.py)
+      owned-00001-of-00002.pt            with Muon, Adafactor...: the whole state of the parameters rank 1
+                                         owned (one per world rank that owned any: checkpoint/owned_state.py)
       trainer_state.pt                   rank 0's Lightning checkpoint minus what the shard files hold
       metadata.json                      the layout, and the size and sha256 of every file above
       COMPLETE                           written last: the size and sha256 of metadata.json
@@ -50,7 +52,9 @@ metadata.json::
                                name of the parameter, tied ones have several; shape; offset), and
                                tensors: {"master" | "optim<o>/<key>" | "ema": dtype} that every shard file holds
     optimizers[o]              params: the canonical name of each parameter index, in order;
-                               state_keys: each one's per-element state keys
+                               state_keys: each one's per-element state keys;
+                               owned (whole-tensor optimizers): per index, null or {file, tensors: {key:
+                               {dtype, shape}}}, whose tensors are "optim<o>/<key>/<param>" in that file
     rank_state                 paths of the per-rank entries (readable), their files
     files                      {name: {bytes, sha256}} for every other file
 
@@ -101,6 +105,10 @@ def shard_file(rank: int, world_size: int) -> str:
 
 def rank_state_file(rank: int, world_size: int) -> str:
     return f"rank-state-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def owned_file(rank: int, world_size: int) -> str:
+    return f"owned-{rank:05d}-of-{world_size:05d}.pt"
 
 
 def master_key(fp_name: str) -> str:
@@ -205,7 +213,7 @@ class CheckpointReader:
         self.where: dict[str, tuple[int, ParamSlot]] = {
             fqn: (i, slot) for i, layout in enumerate(self.layouts) for slot in layout.slots for fqn in slot.fqns
         }
-        self._loaded: dict[int, dict[str, Tensor]] = {}
+        self._loaded: dict[str, dict[str, Tensor]] = {}  # by file name
 
     @staticmethod
     def open(path: str | Path) -> CheckpointReader:
@@ -278,13 +286,20 @@ class CheckpointReader:
                     )
 
     def _shard(self, rank: int) -> dict[str, Tensor]:
-        if rank not in self._loaded:
-            path = self.path / shard_file(rank, self.world_size)
+        return self._tensors(shard_file(rank, self.world_size))
+
+    def owned(self, name: str) -> dict[str, Tensor]:
+        """The tensors of owned file ``name`` (whole-tensor optimizers' state: checkpoint/owned_state.py)."""
+        return self._tensors(name)
+
+    def _tensors(self, name: str) -> dict[str, Tensor]:
+        if name not in self._loaded:
+            path = self.path / name
             try:
-                self._loaded[rank] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                self._loaded[name] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as err:  # noqa: BLE001  (any unreadable file is the same verdict)
                 raise CheckpointError(f"checkpoint file {path} cannot be read ({err}). HINT: it is damaged.") from None
-        return self._loaded[rank]
+        return self._loaded[name]
 
     # ---- reading ----
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_shardlab.checkpoint import owned_state
 from lightning_shardlab.checkpoint.format import (
     EMA,
     RANK_STATES_KEY,
@@ -22,8 +23,10 @@ from lightning_shardlab.checkpoint.format import (
 )
 from lightning_shardlab.checkpoint.full import optimizer_index, param_names
 from lightning_shardlab.sharding.flat_param import FlatParam
+from lightning_shardlab.sharding.optimizer import is_whole_tensor
 from lightning_shardlab.sharding.placeholders import placeholders_allowed
 from lightning_shardlab.sharding.sharded_model import ShardedModel
+from lightning_shardlab.sharding.whole_step import plan_of
 
 
 def needed_files(reader: CheckpointReader, sharded: ShardedModel) -> set[str]:
@@ -35,7 +38,9 @@ def needed_files(reader: CheckpointReader, sharded: ShardedModel) -> set[str]:
             if name is not None and reader.where[name][1].shape == slot.shape:  # else load_model refuses it
                 ranks |= reader.ranks_holding(name, a, b)
     files = {TRAINER_STATE, *reader.rank_state_files()}
-    return files | {reader.shard_files()[r] for r in ranks}
+    world = sharded.mesh.world
+    owned = owned_state.new_owner_files(reader, world.world_size, world.rank)
+    return files | owned | {reader.shard_files()[r] for r in ranks}
 
 
 def _overlaps(fp: FlatParam):  # noqa: ANN202
@@ -135,6 +140,8 @@ def load_optimizers(
             int(j): {k: v.clone() if isinstance(v, Tensor) else v for k, v in scalars.items()}
             for j, scalars in skeleton["state"].items()
         }
+        if is_whole_tensor(optimizer):
+            _read_owned(optimizer, sharded, reader, o, state)
         for j, keys in enumerate(record["state_keys"]):
             _, fp, slot_i = index[j]
             slot = fp.layout.slots[slot_i]
@@ -143,6 +150,16 @@ def load_optimizers(
             for key in keys:
                 state.setdefault(j, {})[key] = reader.read_param(f"optim{o}/{key}", record["params"][j], a, a + hi - lo)
         optimizer.load_state_dict({"state": state, "param_groups": skeleton["param_groups"]})
+
+
+def _read_owned(
+    optimizer: Optimizer, sharded: ShardedModel, reader: CheckpointReader, o: int, state: dict[int, dict[str, Any]]
+) -> None:
+    """A whole-tensor optimizer: the saved state of the parameters this rank owns now, whole."""
+    plan = plan_of(optimizer, sharded)
+    for j, param in enumerate(plan.params):
+        if plan.owns(param):
+            state.setdefault(j, {}).update(owned_state.read_owned(reader, o, j))
 
 
 def _check_same_params(

@@ -25,6 +25,7 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_shardlab.checkpoint import owned_state
 from lightning_shardlab.checkpoint.async_save import AsyncSaver
 from lightning_shardlab.checkpoint.atomic import (
     CheckpointError,
@@ -47,6 +48,7 @@ from lightning_shardlab.checkpoint.format import (
     VERSION,
     dtype_name,
     layout_record,
+    owned_file,
     rank_state_file,
     shard_file,
 )
@@ -55,7 +57,7 @@ from lightning_shardlab.checkpoint.rank_state import KeyPath, differing_paths, g
 from lightning_shardlab.checkpoint.shard_tensors import shard_tensors
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.sharding.flat_param import FlatParam
-from lightning_shardlab.sharding.optimizer import is_per_element, state_shape
+from lightning_shardlab.sharding.optimizer import is_per_element, is_whole_tensor
 from lightning_shardlab.sharding.placeholders import placeholders_allowed
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
@@ -63,24 +65,28 @@ from lightning_shardlab.sharding.sharded_model import ShardedModel
 def _optimizer_summary(
     optimizer: Optimizer, state: Mapping[str, Any], index: list[tuple[Tensor, FlatParam, int]]
 ) -> dict[str, Any]:
-    """This rank's optimizer state split into per-element keys (with dtypes) and scalar values, by index (a
-    whole-tensor optimizer's state is all per-parameter: each parameter's owner holds it whole)."""
+    """This rank's optimizer state split into per-element keys (with dtypes), scalar values, and (a whole-tensor
+    optimizer) the tensors it holds whole as the owner of their parameters, by index."""
+    if is_whole_tensor(optimizer):
+        owned, scalars = owned_state.summarize(state)
+        return {"per_element": {}, "scalars": scalars, "owned": owned}
     per_element: dict[int, dict[str, str]] = {}
     scalars: dict[int, dict[str, Any]] = {}
     for j, entries in state["state"].items():
         view = index[j][0]
         for key, value in entries.items():
-            if is_per_element(key, value, state_shape(optimizer, view.shape)):
+            if is_per_element(key, value, view.shape):
                 per_element.setdefault(j, {})[key] = dtype_name(value.dtype)
             else:
                 scalars.setdefault(j, {})[key] = value
-    return {"per_element": per_element, "scalars": scalars}
+    return {"per_element": per_element, "scalars": scalars, "owned": {}}
 
 
-def _agree_optimizers(everyone: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
-    """Per optimizer: the union of per-element keys, and each scalar from the first rank that has it."""
+def _agree_optimizers(everyone: list[dict[str, Any]], counts: list[int]) -> list[dict[str, Any]]:
+    """Per optimizer: the union of per-element keys, each scalar from the first rank that has it, and where
+    each owned parameter's state is."""
     agreed = []
-    for o in range(count):
+    for o, count in enumerate(counts):
         per_element: dict[int, dict[str, str]] = {}
         scalars: dict[int, dict[str, Any]] = {}
         for mine in everyone:
@@ -90,7 +96,8 @@ def _agree_optimizers(everyone: list[dict[str, Any]], count: int) -> list[dict[s
             for j, values in mine["optim"][o]["scalars"].items():
                 for key, value in values.items():
                     scalars.setdefault(j, {}).setdefault(key, value)
-        agreed.append({"per_element": per_element, "scalars": scalars})
+        owned = owned_state.agree([mine["optim"][o]["owned"] for mine in everyone], count, len(everyone))
+        agreed.append({"per_element": per_element, "scalars": scalars, "owned": owned})
     return agreed
 
 
@@ -118,7 +125,7 @@ def save_sharded(
     everyone = collectives.all_gather_object(mine, comm, label="checkpoint plan")  # 1.
     same_destination([e["path"] for e in everyone], "save")
     tmp = tmp_path(final, everyone[0]["tmp_id"])
-    agreed = _agree_optimizers(everyone, len(states))
+    agreed = _agree_optimizers(everyone, [len(index) for index in indexes])
     rank_paths = differing_paths([e["digests"] for e in everyone])
     background = saver is not None
     try:
@@ -175,8 +182,10 @@ def _rank_contents(
     """What this rank's files will hold: its shard tensors, and its values of the entries that differ by rank."""
     states = checkpoint.get("optimizer_states", [])
     tensors, kinds = shard_tensors(sharded, optimizers, states, agreed, copy)
+    indexes = [optimizer_index(opt, sharded) for opt in optimizers[: len(states)]]
+    owned = owned_state.owned_tensors(optimizers, states, indexes, copy)
     values = [get_or_absent(checkpoint, p) for p in rank_paths]
-    return {"tensors": tensors, "kinds": kinds, "values": copy_of(values) if copy else values}
+    return {"tensors": tensors, "kinds": kinds, "owned": owned, "values": copy_of(values) if copy else values}
 
 
 def _write_rank_files(tmp: Path, contents: dict[str, Any], sharded: ShardedModel) -> dict[str, Any]:
@@ -191,6 +200,9 @@ def _write_rank_files(tmp: Path, contents: dict[str, Any], sharded: ShardedModel
         if sharded.mesh.replica.rank == 0:
             name = shard_file(shard.rank, shard.world_size)
             files[name] = write_torch(contents["tensors"], tmp / name)
+        if contents["owned"]:  # a whole-tensor optimizer's state of the parameters this rank owns
+            name = owned_file(comm.rank, comm.world_size)
+            files[name] = write_torch(contents["owned"], tmp / name)
         if contents["values"]:
             name = rank_state_file(comm.rank, comm.world_size)
             files[name] = write_torch({"values": contents["values"]}, tmp / name)
@@ -262,6 +274,7 @@ def _metadata(plan: SavePlan, files: dict[str, Any]) -> dict[str, Any]:
             {
                 "params": [fp.layout.slots[i].name for _, fp, i in index],
                 "state_keys": [sorted(keys["per_element"].get(j, {})) for j in range(len(index))],
+                **({"owned": keys["owned"]} if any(keys["owned"]) else {}),
             }
             for index, keys in zip(indexes, agreed)
         ],
