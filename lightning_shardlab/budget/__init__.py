@@ -3,6 +3,7 @@
 predict.py       the ZeRO table applied to the real layout (or a parameter count): bytes and traffic per rank
 measure.py       the bytes this rank holds right now, read from its tensors (traffic: comm/ledger.py)
 tiers.py         offload: the bytes in each tier (device, host, disk) and what moves between them per step
+whole_tensor.py  whole-tensor optimizers (Muon, Adafactor): owned state and the owners' exchanges, predicted
 report.py        one rank's figures at the end of a run, measured beside predicted
 tables.py        rank 0's tables of every rank's report
 callback.py      ``ShardLabBudget``: measures each step (Trainer hooks, or a Fabric loop) and reports at the end

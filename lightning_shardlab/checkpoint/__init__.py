@@ -20,6 +20,7 @@ either (checkpoint/describe.py). The files, one concept each:
     sharded_save.py   the collective sharded save
     sharded_load.py   the sharded load: the files a rank needs, its slices, at any world size and stage
     shard_tensors.py  what one rank's shard file holds
+    owned_state.py    whole-tensor optimizers' state: each owner's file, read by the new owners
     async_save.py     a save written in the background (``async_save=True``), completed at the next wait
     rank_state.py     per-rank side state
     fabric_state.py   Fabric's ``state`` dicts in the same layout, and back in the user's keys

@@ -18,6 +18,8 @@ In the order a step meets them:
     placeholders.py     a stage-3 parameter at rest: its shape answers, every read of its values raises
     optimizer.py        ``Sharded<Class>``: the user's optimizer over the module's parameters, stepping the
                         master shards; the global gradient norm
+    owners.py           whole-tensor optimizers (Muon, Adafactor): each parameter's owner rank, its pieces
+    whole_step.py       their step: gather whole parameters on the owners, update, return the pieces
     gathered.py         full weights between steps for the user (``gathered_params``)
     averages.py         the sharded exponential average of the master shards (EMA)
     offload_tier.py     what the engine asks of an offload tier (offload/ implements it)
