@@ -5,6 +5,13 @@ the same ranks: gradient accumulation under ``no_backward_sync`` (both accumulat
 global norm, an LR schedule, and a sharded save after step 3 from which a fresh model, optimizer and schedule
 load and train on. Every rank compares its loss at every micro-batch and the clipped norm at every step;
 rank 0 compares the final weights (DDP's module state against ``full_state_dict()``). fp32 tolerance.
+
+Whole-tensor optimizers (torch's Muon on the blocks' matrices with AdamW on the rest, and Adafactor) train the
+same way at stages 1 and 3, resumed from a checkpoint that holds their state, and their final weights must equal
+DDP's bit for bit: Muon orthogonalises in bfloat16, where a last-bit difference of a gradient can become a whole
+bfloat16 step. So their gradients must be DDP's exactly: at 2 ranks DDP's mean is shardlab's (each sum has two
+terms), micro-batches accumulate before the reduction (``accumulation="defer"``, as DDP does), and the clipping
+threshold lies above every norm (the norm is still compared; the coefficient is exactly 1 in both runs).
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ def _batches(world: int, rank: int) -> list[list[tuple[Tensor, Tensor]]]:
     return out
 
 
+WHOLE_TENSOR = ("muon", "adafactor")  # kinds whose optimizers step whole parameters on owner ranks
+
+
 def _model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "litgpt":  # a third party's model, unchanged: litgpt's GPT (its blocks in transformer.h)
@@ -60,21 +70,47 @@ def _model(kind: str) -> nn.Module:
     return TinyGPT(n_layer=2)
 
 
-def _objects(fabric: L.Fabric, stage: int, kind: str) -> tuple[nn.Module, torch.optim.Optimizer, object]:
-    """Stages 1-2: Fabric's usual order (module, then an optimizer over its parameters); stage 3: together
+def _optimizers(model: nn.Module, kind: str) -> dict[str, torch.optim.Optimizer]:
+    """By the key each is saved under: AdamW; or the usual Muon recipe (Muon on the blocks' matrices, AdamW on
+    the embeddings and norms); or Adafactor alone."""
+    if kind == "muon":
+        named = list(model.named_parameters())
+        matrix = {n for n, p in named if "blocks" in n.split(".") and p.ndim == 2}
+        return {
+            "muon": torch.optim.Muon([p for n, p in named if n in matrix], lr=0.02, weight_decay=0.1, momentum=0.95),
+            "adamw": torch.optim.AdamW([p for n, p in named if n not in matrix], lr=3e-3, weight_decay=0.0),
+        }
+    if kind == "adafactor":
+        return {"adafactor": torch.optim.Adafactor(model.parameters(), lr=1e-2, weight_decay=0.01)}
+    return {"optimizer": torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)}
+
+
+def _schedules(optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, object]:
+    return {
+        f"{key}_schedule": torch.optim.lr_scheduler.LambdaLR(o, lambda step: min(1.0, (step + 1) / 3))
+        for key, o in optimizers.items()
+    }
+
+
+def _objects(fabric: L.Fabric, stage: int, kind: str) -> tuple[nn.Module, dict, dict]:
+    """Stages 1-2: Fabric's usual order (module, then optimizers over its parameters); stage 3: together
     (Fabric refuses optimizers over the meta placeholders a stage-3 module holds between steps)."""
     model = _model(kind)
     if stage == 3:
-        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1))
+        optimizers = _optimizers(model, kind)
+        model, *stepping = fabric.setup(model, *optimizers.values())
     else:
         model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
-    return model, optimizer, schedule
+        optimizers = _optimizers(model, kind)
+        stepping = fabric.setup_optimizers(*optimizers.values())
+        stepping = stepping if isinstance(stepping, (list, tuple)) else [stepping]
+    optimizers = dict(zip(optimizers, stepping))
+    return model, optimizers, _schedules(optimizers)
 
 
-def _train(fabric, model, optimizer, schedule, batches, steps: range) -> dict[str, list[float]]:
+def _train(fabric, model, optimizers, schedules, batches, steps: range, kind: str) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"losses": [], "norms": []}
+    max_norm = 1e3 if kind in WHOLE_TENSOR else 0.05
     for step in steps:
         for m, (idx, targets) in enumerate(batches[step]):
             with fabric.no_backward_sync(model, enabled=m < MICRO - 1):
@@ -82,10 +118,13 @@ def _train(fabric, model, optimizer, schedule, batches, steps: range) -> dict[st
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) / MICRO
                 fabric.backward(loss)
             out["losses"].append(loss.item())
-        out["norms"].append(float(fabric.clip_gradients(model, optimizer, max_norm=0.05)))
-        optimizer.step()
-        optimizer.zero_grad()
-        schedule.step()
+        for optimizer in optimizers.values():
+            out["norms"].append(float(fabric.clip_gradients(model, optimizer, max_norm=max_norm)))
+        for optimizer in optimizers.values():
+            optimizer.step()
+            optimizer.zero_grad()
+        for schedule in schedules.values():
+            schedule.step()
     return out
 
 
@@ -93,10 +132,10 @@ def _ddp_run(world: int, rank: int, kind: str) -> tuple[dict[str, list[float]], 
     fabric = L.Fabric(devices=world, strategy="ddp", **QUIET)
     fabric.launch()
     model = _model(kind)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    model, optimizer = fabric.setup(model, optimizer)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
-    record = _train(fabric, model, optimizer, schedule, _batches(world, rank), range(STEPS))
+    optimizers = _optimizers(model, kind)
+    model, *stepping = fabric.setup(model, *optimizers.values())
+    optimizers = dict(zip(optimizers, stepping))
+    record = _train(fabric, model, optimizers, _schedules(optimizers), _batches(world, rank), range(STEPS), kind)
     return record, {k: v.detach().clone() for k, v in model.module.state_dict().items()}
 
 
@@ -105,17 +144,17 @@ def _shardlab_run(world: int, rank: int, stage: int, accumulation: str, director
     fabric = L.Fabric(devices=world, strategy=strategy, **QUIET)
     fabric.launch()
     batches = _batches(world, rank)
-    model, optimizer, schedule = _objects(fabric, stage, kind)
-    first = _train(fabric, model, optimizer, schedule, batches, range(SAVE_AFTER))
+    model, optimizers, schedules = _objects(fabric, stage, kind)
+    first = _train(fabric, model, optimizers, schedules, batches, range(SAVE_AFTER), kind)
     path = Path(directory) / f"stage{stage}"
-    fabric.save(path, {"model": model, "optimizer": optimizer, "schedule": schedule, "step": SAVE_AFTER})
+    fabric.save(path, {"model": model, **optimizers, **schedules, "step": SAVE_AFTER})
     saved = fabric.strategy.full_state_dict(model)
     # a fresh run resumes from the checkpoint: different initial weights, the same numbers from here on
     torch.manual_seed(123)
-    model, optimizer, schedule = _objects(fabric, stage, kind)
-    state = {"model": model, "optimizer": optimizer, "schedule": schedule, "step": 0}
+    model, optimizers, schedules = _objects(fabric, stage, kind)
+    state = {"model": model, **optimizers, **schedules, "step": 0}
     remainder = fabric.load(path, state)
-    rest = _train(fabric, model, optimizer, schedule, batches, range(state["step"], STEPS))
+    rest = _train(fabric, model, optimizers, schedules, batches, range(state["step"], STEPS), kind)
     return {
         "losses": first["losses"] + rest["losses"],
         "norms": first["norms"] + rest["norms"],
@@ -141,14 +180,22 @@ def fabric_parity(stages: list[int], accumulation: list[str], directory: str, ki
     for stage, mode in zip(stages, accumulation):
         run = _shardlab_run(world, rank, stage, mode, directory, kind)
         assert run["remainder"] == {}, run["remainder"]
-        assert_close(run["losses"], reference["losses"], **FP32, msg=lambda m: f"stage {stage} losses: {m}")
-        assert_close(run["norms"], reference["norms"], **FP32, msg=lambda m: f"stage {stage} clipped norms: {m}")
+        assert_close(run["losses"], reference["losses"], **FP32, msg=lambda m: f"{kind} stage {stage} losses: {m}")
+        assert_close(run["norms"], reference["norms"], **FP32, msg=lambda m: f"{kind} stage {stage} clipped norms: {m}")
         if rank == 0:
             assert run["weights"].keys() == weights.keys()
             for name, value in weights.items():
-                assert_close(run["weights"][name], value, **FP32, msg=lambda m: f"stage {stage} {name}: {m}")
+                assert_close(run["weights"][name], value, **FP32, msg=lambda m: f"{kind} stage {stage} {name}: {m}")
+                assert kind not in WHOLE_TENSOR or torch.equal(run["weights"][name], value), (
+                    f"{kind} stage {stage} {name}"
+                )
         out[stage] = {"norms": run["norms"], "collectives": run["collectives"], "saved": run["saved"]}
     return out
+
+
+def fabric_parities(cases: list[dict], directory: str) -> dict:
+    """Several ``fabric_parity`` cases in one launch, by kind, each saving under a folder of its own."""
+    return {case["kind"]: fabric_parity(**case, directory=str(Path(directory) / case["kind"])) for case in cases}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -171,20 +218,29 @@ def test_fabric_matches_fabric_ddp_at_every_stage(world: int, tmp_path: Path) ->
             }
     # the sharded checkpoint consolidates into Fabric's full shape, equal to the live weights at save time
     full = consolidated_checkpoint(tmp_path / "stage3")
-    assert set(full) == {"model", "optimizer", "schedule", "step"} and full["step"] == SAVE_AFTER
+    assert set(full) == {"model", "optimizer", "optimizer_schedule", "step"} and full["step"] == SAVE_AFTER
     for name, value in ranks[0][3]["saved"].items():
         assert torch.equal(full["model"][name], value), name
 
 
-def test_litgpt_trains_sharded_like_fabric_ddp(tmp_path: Path) -> None:
-    """litgpt's GPT at stage 3 (its blocks become units) and stage 2, against Fabric's DDP."""
-    ranks = run_ranks(
-        "tests.test_fabric:fabric_parity",
-        2,
-        {"stages": [3, 2], "accumulation": ["reduce", "defer"], "directory": str(tmp_path), "kind": "litgpt"},
-        timeout=300,
-    )
-    assert all(max(r[3]["norms"]) > 0.05 for r in ranks)
+def test_litgpt_and_whole_tensor_optimizers_train_like_fabric_ddp(tmp_path: Path) -> None:
+    """litgpt's GPT at stage 3 (its blocks become units) and stage 2; Muon with AdamW, and Adafactor, at stages 1
+    and 3 (their state saved and loaded mid-run; the final weights bit for bit): against Fabric's DDP."""
+    whole = {"stages": [1, 3], "accumulation": ["defer", "defer"]}
+    cases = [
+        {"kind": "litgpt", "stages": [3, 2], "accumulation": ["reduce", "defer"]},
+        {"kind": "muon", **whole},
+        {"kind": "adafactor", **whole},
+    ]
+    ranks = run_ranks("tests.test_fabric:fabric_parities", 2, {"cases": cases, "directory": str(tmp_path)}, timeout=420)
+    assert all(max(r["litgpt"][3]["norms"]) > 0.05 for r in ranks)
+    for kind in WHOLE_TENSOR:  # the checkpoint holds each optimizer's state, the whole-tensor one's included
+        full = consolidated_checkpoint(tmp_path / kind / "stage3")
+        keys = {"muon": ["muon", "adamw"], "adafactor": ["adafactor"]}[kind]
+        assert set(full) == {"model", "step", *keys, *(f"{k}_schedule" for k in keys)}, (kind, set(full))
+        for key in keys:  # state for every parameter of each optimizer's groups
+            params = [i for group in full[key]["param_groups"] for i in group["params"]]
+            assert sorted(full[key]["state"]) == sorted(params), (kind, key)
 
 
 # ---- checkpoints across world sizes, stages and front doors ----
