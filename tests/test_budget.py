@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import io
 import json
 import weakref
 from collections import Counter
@@ -13,6 +14,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from rich.console import Console
 
 from lightning_shardlab import ShardLabBudget, ShardLabStrategy
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, measure_memory
@@ -20,9 +22,19 @@ from lightning_shardlab.budget.plan import plan_model
 from lightning_shardlab.budget.plan_command import main as plan_main
 from lightning_shardlab.budget.predict import INTERCONNECTS
 from lightning_shardlab.core.config import ShardLabConfig, Stage
+from lightning_shardlab.sharding.owners import (
+    Geometry,
+    Owned,
+    assign_owners,
+    gather_counts,
+    pieces_of,
+    return_counts,
+    sent_by_rank,
+)
+from lightning_shardlab.sharding.policy import plan_units
 from tests.helpers.counting import live_cpu_bytes
 from tests.helpers.launch import run_ranks
-from tests.models import OrderedData, TinyGPT, token_dataset
+from tests.models import MuonGPT, OrderedData, TinyGPT, token_dataset
 
 GPT = {"vocab": 61, "block_size": 8, "n_layer": 3, "n_embd": 48, "n_head": 4}
 
@@ -192,3 +204,195 @@ def test_plan_from_a_yaml_config(capsys: pytest.CaptureFixture) -> None:
     plan_main(["--config", str(config), "--world-size", "4", "--json"])
     plan = json.loads(capsys.readouterr().out)
     assert plan["world_size"] == 4 and plan["stage"] == 2 and plan["params"] > 0  # the config says shardlab_stage_2
+
+
+def whole_tensor_budget_run(world_size: int, stages: list[int], out: str, batches: int = 3) -> dict:
+    """MuonGPT (Muon on the blocks' matrices, AdamW on the rest; a unit per block) under the budget at each of
+    ``stages``: every rank's report, and the tables rank 0 printed."""
+    reports, printed = {}, {}
+    for stage in stages:
+        torch.manual_seed(0)
+        budget = ShardLabBudget(Console(file=io.StringIO(), width=400))
+        strategy = ShardLabStrategy(stage=stage, transport="builtin", sanity_every_n_steps=0, unit_bucket_params=0)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=strategy,
+            max_steps=2 * batches,  # Lightning counts each optimizer's steps: Muon's and AdamW's
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            default_root_dir=str(Path(out) / str(stage)),
+            callbacks=[budget],
+            limit_val_batches=0,
+        )
+        trainer.fit(MuonGPT(), OrderedData(token_dataset(2 * batches * world_size), 2))
+        assert budget.reports is not None
+        reports[stage] = budget.reports[trainer.global_rank]
+        printed[stage] = budget.console.file.getvalue()
+    return {"reports": reports, "printed": printed}
+
+
+def test_whole_tensor_owners_hold_and_send_what_is_predicted_and_planned(tmp_path: Path) -> None:
+    """Muon beside AdamW on 2 ranks, stages 3 and 2: each rank's optimizer state (Muon's of the matrices it owns,
+    AdamW's of its slices of the rest) and its all-to-alls per step, measured, are the prediction and the plan's
+    exactly; the budget prints them per rank."""
+    results = run_ranks(
+        "tests.test_budget:whole_tensor_budget_run",
+        2,
+        {"world_size": 2, "stages": [3, 2], "out": str(tmp_path)},
+        timeout=240,
+    )
+    with torch.device("meta"):
+        model = MuonGPT()
+    plans = {
+        stage: plan_model(
+            model,
+            ShardLabConfig(stage=Stage(stage), unit_bucket_params=0),
+            2,
+            "32-true",
+            "muon",
+            INTERCONNECTS["nvlink"],
+            "MuonGPT",
+        )
+        for stage in (3, 2)
+    }
+    for rank, result in enumerate(results):
+        for stage, plan in plans.items():
+            report, planned = result["reports"][stage], plan.whole_tensor["per_rank"][rank]
+            where = f"rank {rank}, stage {stage}"
+            measured, predicted = report["memory_measured"], report["memory_predicted"]
+            assert measured == predicted, where
+            assert measured["optimizer_state"] == plan.per_rank[rank]["optimizer_state"], where
+            (muon,) = report["whole_tensor"]
+            assert muon["state_bytes_measured"] == muon["state_bytes_predicted"] == planned["state_bytes"], where
+            assert muon["owned_numel"] == planned["owned_numel"] and muon["owned"] == planned["owned_params"], where
+            sent, expected = report["comm_per_step"]["all_to_all"], report["comm_predicted_per_step"]
+            assert (sent["calls"], sent["bytes"]) == (expected["all_to_all_calls"], expected["all_to_all_bytes"]), where
+            # Lightning counts Muon's step and AdamW's, two per batch; the plan counts training steps
+            assert 2 * sent["calls"] == plan.whole_tensor["calls_per_step"] == 2, where
+            assert 2 * sent["bytes"] == planned["gather_bytes"] + planned["return_bytes"], where
+        # stage 3 gathers the values with the gradient pieces; stage 2 (fp32) holds them whole already
+        stage_3, stage_2 = (plans[s].whole_tensor["per_rank"][rank] for s in (3, 2))
+        assert stage_3["gather_bytes"] == 2 * stage_2["gather_bytes"] > 0
+        assert stage_3["return_bytes"] == stage_2["return_bytes"] > 0
+    printed = results[0]["printed"][3]
+    assert "whole-tensor optimizers" in printed and "all_to_all" in printed
+    for result in results:
+        muon = result["reports"][3]["whole_tensor"][0]
+        assert f"{muon['owned']} of {muon['params']}" in printed and f"{muon['owned_numel']:,} of" in printed
+
+
+def _adafactor_state(shape: torch.Size) -> int:
+    """fp32 row and column statistics of a matrix (the whole second moment of a vector), and a step."""
+    numel = shape.numel()
+    return 4 * (numel // shape[-1] + numel // shape[-2] if len(shape) >= 2 else numel) + 4
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adafactor"])
+def test_plan_of_a_whole_tensor_optimizer_from_a_count_is_the_1_over_w_ideal(
+    optimizer: str, capsys: pytest.CaptureFixture
+) -> None:
+    """70e9 parameters on 8 shard groups of 8, stage 3, bf16-mixed: one fp32 value of state per element (an
+    upper bound for Adafactor without shapes) over W owners; per step each rank sends the owners its 1/G piece
+    of every gradient and value it holds, and each owner its 1/G to the W - 1 other holders."""
+    p, w, g = 70e9, 64, 8
+    plan_main([*f"--params {p} --world-size {w} --shard-group-size {g} --optimizer {optimizer} --json".split()])
+    plan = json.loads(capsys.readouterr().out)
+    plan_main([*f"--params {p} --world-size {w} --shard-group-size {g} --json".split()])
+    adamw = json.loads(capsys.readouterr().out)
+    state = 4 * p + (4 if optimizer == "adafactor" else 0)
+    assert plan["memory_per_rank"]["optimizer_state"] == pytest.approx(state / w)
+    assert plan["memory_per_rank"]["master"] == adamw["memory_per_rank"]["master"]
+    assert plan["unsharded_bytes"] == pytest.approx(adamw["unsharded_bytes"] - 8 * p + state)
+    sent = 4 * p * (2 * (g - 1) / g + (w - 1) / g) / w
+    assert plan["traffic"]["all_to_all_calls"] == 2
+    assert plan["traffic"]["all_to_all_bytes"] == pytest.approx(sent)
+    assert plan["whole_tensor"]["fullest_rank"]["across_bytes"] == pytest.approx(4 * p * (w // g - 1) / w)
+    assert plan["link_seconds"]["inter"] > adamw["link_seconds"]["inter"]  # the returns to other groups
+    plan_main([*f"--params {p} --world-size {w} --optimizer {optimizer}".split()])
+    assert "1/W" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adafactor"])
+def test_plan_of_a_whole_tensor_optimizer_on_a_model_is_its_owners_arithmetic(optimizer: str) -> None:
+    """A real layout, 2 shard groups of 2, stage 3: the state of each parameter by the optimizer that holds it
+    (Muon: the matrices inside blocks, one momentum per element; AdamW the rest, two moments per element and a
+    step counter per parameter on every rank, its shards in each group; Adafactor: every parameter), balanced
+    over the owners; the values
+    travel with the gradient pieces; every holder in the other group gets the new values whole."""
+    w, g = 4, 2
+    with torch.device("meta"):
+        model = TinyGPT(**GPT)
+    config = ShardLabConfig(stage=Stage.PARAMETERS, unit_bucket_params=0, shard_group_size=g)
+    plan = plan_model(model, config, w, "32-true", optimizer, INTERCONNECTS["nvlink"], "TinyGPT")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if optimizer == "muon":
+        whole = [p for n, p in named if n.startswith("blocks.") and p.ndim >= 2]
+        rest = [p for n, p in named if not (n.startswith("blocks.") and p.ndim >= 2)]
+        total = 4 * sum(p.numel() for p in whole)
+        beside = 8 * (w // g) * sum(p.numel() for p in rest) + 4 * len(rest) * w  # each group holds it all
+    else:
+        whole, beside = [p for _, p in named], 0
+        total = sum(_adafactor_state(p.shape) for p in whole)
+    owners = plan.whole_tensor
+    assert owners["params"] == len(whole) and owners["numel"] == sum(p.numel() for p in whole)
+    assert owners["state_bytes_total"] == total
+    assert sum(r["optimizer_state"] for r in plan.per_rank) == total + beside
+    owned = [r["owned_numel"] for r in owners["per_rank"]]
+    assert sum(owned) == owners["numel"]
+    assert max(owned) - min(owned) <= max(p.numel() for p in whole)  # largest first, each to the least loaded
+    gathered = sum(r["gather_bytes"] for r in owners["per_rank"])
+    returned = sum(r["return_bytes"] for r in owners["per_rank"])
+    across = sum(r["across_bytes"] for r in owners["per_rank"])
+    assert across == 4 * (w // g - 1) * owners["numel"]
+    assert returned == across + gathered // 2  # in its own group an owner returns what it gathered
+    assert plan.traffic["all_to_all_calls"] == 2
+    assert plan.traffic["all_to_all_bytes"] == max(r["gather_bytes"] + r["return_bytes"] for r in owners["per_rank"])
+
+
+def test_plan_says_which_parameters_muon_steps(capsys: pytest.CaptureFixture) -> None:
+    init = json.dumps({"n_layer": 12})
+    plan_main(
+        [
+            "--model",
+            "lightning_shardlab.examples.gpt.GPT",
+            "--init-args",
+            init,
+            "--world-size",
+            "8",
+            "--optimizer",
+            "muon",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "Muon steps the parameters of 2+ dimensions inside units other than the root" in out
+    assert "AdamW the rest" in out and "all-to-all per step: 2 calls" in out
+    with pytest.raises(SystemExit, match="offload"):
+        plan_main(["--params", "1e9", "--world-size", "8", "--optimizer", "muon", "--offload", "cpu"])
+    with pytest.raises(SystemExit, match="HINT: one of"):
+        plan_main(["--params", "1e9", "--world-size", "8", "--optimizer", "lion"])
+
+
+@pytest.mark.parametrize(("world_size", "group"), [(4, 2), (6, 3), (8, 1)])
+def test_the_plans_exchanges_are_what_each_rank_of_a_run_sends(world_size: int, group: int) -> None:
+    """Hybrid layouts no test launches: the plan's one pass over the owners (``sent_by_rank``) gives each rank
+    what the run's exchanges send it (``gather_counts``, ``return_counts``), and which of it leaves its group."""
+    with torch.device("meta"):
+        model = TinyGPT(**GPT)
+    units = plan_units(model, ShardLabConfig(stage=Stage.PARAMETERS, unit_bucket_params=0), group).layouts()
+    held = [(lay, slot) for lays in units.values() for lay in lays for slot in lay.slots]
+    owners = assign_owners([(slot.name, slot.numel) for _, slot in held], world_size)
+    geo = Geometry(world_size, group)
+    for travel in (True, False):
+        entries = [Owned(s.name, s.shape, owners[s.name], pieces_of(lay, s), travel) for lay, s in held]
+        sent = sent_by_rank(entries, geo)
+        for rank in range(world_size):
+            returned = return_counts(entries, geo, rank)[0]
+            assert sent["gather"][rank] == sum(gather_counts(entries, geo, rank)[0])
+            assert sent["return"][rank] == sum(returned)
+            assert sent["across"][rank] == sum(
+                n for r, n in enumerate(returned) if geo.group_of(r) != geo.group_of(rank)
+            )

@@ -8,6 +8,7 @@ report.py        one rank's figures at the end of a run, measured beside predict
 tables.py        rank 0's tables of every rank's report
 callback.py      ``ShardLabBudget``: measures each step (Trainer hooks, or a Fabric loop) and reports at the end
 plan.py          the same prediction for a run that has not happened: from a parameter count or a model's layout
+plan_whole.py    the plan of a whole-tensor optimizer: owners' state per rank (Muon beside AdamW), exchanges
 plan_command.py  ``shardlab plan``: its inputs (an import path, a LightningCLI YAML), its tables, its options
 local_link.py    ``--interconnect local``: this machine's link, timed by comm/link_probe.py
 """

@@ -8,7 +8,9 @@ budget/predict.py predicts from the layout (budget/report.py assembles a rank's 
 prints them), and writes ``shardlab_budget.json`` beside the logs. Per-step
 communication is the steady state: the first optimizer step is a warm-up and left out. A hybrid or
 regrouped run (comm/mesh.py) also gets its communication by group: inside shard groups, across them,
-inside reshard groups (``comm_per_step_by_scope``, set beside the prediction's ``by_scope``).
+inside reshard groups (``comm_per_step_by_scope``, set beside the prediction's ``by_scope``). Whole-tensor
+optimizers (Muon, Adafactor) get a table of their own: per rank, what it owns, the state it keeps for it and
+its all-to-alls per step (budget/whole_tensor.py), measured beside predicted.
 """
 
 from __future__ import annotations

@@ -4,16 +4,21 @@
 units at the target world size on the meta device (no memory, no processes) and predicts from that layout,
 as ``ShardLabBudget`` does for a run (budget/predict.py, budget/tiers.py). Both return a ``Plan``: bytes per
 rank by category, bytes moved per step, and the lower-bound time on the links. ``shardlab plan`` (the
-command, its inputs and its printing) is budget/plan_command.py.
+command, its inputs and its printing) is budget/plan_command.py. A whole-tensor optimizer (``muon``,
+``adafactor``) adds what its owners keep and exchange (budget/plan_whole.py): its state per rank, and its
+all-to-alls in the traffic.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.optim import Optimizer
 
+from lightning_shardlab.budget.plan_whole import WholePlan, memory_per_rank, plan_whole_model, plan_whole_params
 from lightning_shardlab.budget.predict import (
     Interconnect,
     OptimizerShape,
@@ -31,6 +36,8 @@ from lightning_shardlab.budget.tiers import (
     split_by_tier,
 )
 from lightning_shardlab.core.config import DTYPES, PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.sharding.flat_param import FlatParamLayout
+from lightning_shardlab.sharding.optimizer import whole_tensor_class
 from lightning_shardlab.sharding.policy import plan_units
 
 COMPUTE = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": None}
@@ -64,6 +71,7 @@ class Plan:
     device_bytes: float = 0.0  # device-resident model state + gathered units at their peak
     device_memory: float | None = None  # --device-memory, bytes
     fits: bool | None = None
+    whole_tensor: dict[str, Any] | None = None  # a whole-tensor optimizer's owners (WholePlan.fields)
 
     @property
     def model_state(self) -> float:
@@ -71,26 +79,48 @@ class Plan:
 
 
 def link_seconds(
-    traffic: Traffic, group: int, reshard: int | None, replicas: int, intra: Interconnect, inter: Interconnect
+    traffic: Traffic,
+    group: int,
+    reshard: int | None,
+    replicas: int,
+    intra: Interconnect,
+    inter: Interconnect,
+    whole: WholePlan | None = None,
 ) -> dict[str, float]:
     """Ring lower bounds per link. Intra: the shard groups' all-gathers and reduce-scatters at G ranks (and
     the reshard groups' at k): (N-1)/N of every full tensor crosses, plus N-1 latencies per call. Inter: the
-    all-reduces of gradient shards across the R replicas: 2 (R-1)/R of every shard, 2 (R-1) latencies."""
+    all-reduces of gradient shards across the R replicas: 2 (R-1)/R of every shard, 2 (R-1) latencies.
+    A whole-tensor optimizer's all-to-alls: what the busiest rank sends inside its shard group, and across."""
 
     def ring(scopes: tuple[str, ...], ranks: int) -> float:
-        return intra.ring_seconds(traffic.scope_bytes(*scopes), ranks, traffic.scope_calls(*scopes))
+        nbytes, calls = traffic.scope_bytes(*scopes, rings=True), traffic.scope_calls(*scopes, rings=True)
+        return intra.ring_seconds(nbytes, ranks, calls)
 
     inside = ring(("world", "shard"), group) + (ring(("reshard",), reshard) if reshard else 0.0)
     across = inter.all_reduce_seconds(traffic.scope_bytes("replica"), replicas, traffic.scope_calls("replica"))
+    if whole is not None:
+        ranks = range(len(whole.state))
+        inside += intra.exchange_seconds(max(whole.sent(r) - whole.across[r] for r in ranks), whole.calls)
+        across += inter.exchange_seconds(max(whole.across), whole.calls)
     return {"intra": inside, "inter": across}
 
 
 def _groups(
-    traffic: Traffic, group: int, reshard: int | None, replicas: int, intra: Interconnect, inter: Interconnect
+    traffic: Traffic,
+    group: int,
+    reshard: int | None,
+    replicas: int,
+    intra: Interconnect,
+    inter: Interconnect,
+    whole: WholePlan | None = None,
 ) -> dict[str, Any]:
-    """The Plan fields that say how the ranks are grouped, and the time on each link."""
-    seconds = link_seconds(traffic, group, reshard, replicas, intra, inter)
+    """The Plan fields that say how the ranks are grouped, the time on each link, and a whole-tensor
+    optimizer's exchanges (added to the traffic as all_to_all: the busiest rank's bytes) and owners."""
+    if whole is not None:
+        traffic = traffic.with_exchanges(whole.calls, max(whole.sent(r) for r in range(len(whole.state))))
+    seconds = link_seconds(traffic, group, reshard, replicas, intra, inter, whole)
     return {
+        "whole_tensor": whole.fields() if whole is not None else None,
         "traffic": vars(traffic),
         "shard_group_size": group,
         "replicas": replicas,
@@ -100,6 +130,20 @@ def _groups(
         "link_seconds": seconds,
         "comm_seconds": sum(seconds.values()),
     }
+
+
+def _optimizer(name: str, offload: str) -> tuple[type[Optimizer] | None, OptimizerShape | None]:
+    """(the whole-tensor optimizer class ``name`` names, else None; the elementwise one's shape, else None).
+    ``ValueError`` for an unknown name, or a whole-tensor optimizer with offload (a run refuses it too)."""
+    cls = whole_tensor_class(name)
+    if cls is None:
+        return None, OptimizerShape.named(name)
+    if offload != "none":
+        raise ValueError(
+            f"--optimizer {name} steps whole parameters on their owner ranks, which is not built for"
+            f" offload={offload!r}. HINT: --offload none."
+        )
+    return cls, None
 
 
 def zero_traffic(
@@ -145,8 +189,15 @@ def plan_params(
     config = config or ShardLabConfig(stage=stage)
     group, reshard = config.group_sizes(world_size, per_node or world_size)
     mixed = COMPUTE[precision] is not None
-    shape = OptimizerShape.named(optimizer)
+    cls, named = _optimizer(optimizer, offload)
+    shape = named or OptimizerShape(0, 0)  # a whole-tensor optimizer's state: from its owners, below
     memory = zero_table_bytes(params, group, stage, mixed, shape)
+    whole = alone = None
+    if cls is not None:
+        itemsize = 2 if precision == "bf16-true" else 4  # the master's
+        whole = plan_whole_params(params, world_size, group, cls, itemsize, stage is Stage.PARAMETERS or mixed)
+        memory["optimizer_state"] = whole.optimizer_state(0)
+        alone = plan_whole_params(params, 1, 1, cls, itemsize, False)
     if offload == "cpu" and not mixed:
         memory["master"] = 4 * params / group  # the host keeps a master of its own beside the device's shard
     per_element = shape.per_element * 4 + (4 if mixed else 0)
@@ -156,6 +207,7 @@ def plan_params(
         "disk": {"down": per_element * params / group, "up": per_element * params / group},
     }[offload]
     unsharded = sum(zero_table_bytes(params, 1, Stage.PARAMETERS, mixed, shape).values())
+    unsharded += alone.optimizer_state(0) if alone is not None else 0
     replicas = world_size // group
     traffic = zero_traffic(params, stage, precision, group, reshard, replicas)
     return Plan(
@@ -168,7 +220,7 @@ def plan_params(
         per_rank=[],
         unsharded_bytes=unsharded,
         gathered_peak=0,
-        **_groups(traffic, group, reshard, replicas, link, inter or link),
+        **_groups(traffic, group, reshard, replicas, link, inter or link, whole),
         **plan_fields(split_by_tier(memory, offload, mixed), moves, offload, tier_link, device_memory, 0),
     )
 
@@ -195,15 +247,14 @@ def plan_model(
     units = plan_units(model, config, group).layouts()
     layouts = [lay for lays in units.values() for lay in lays]
     policy = PrecisionPolicy(COMPUTE[precision], DTYPES[config.reduce_dtype] if config.reduce_dtype else None)
-    shape = OptimizerShape.named(optimizer)
     offload = config.offload if config.offload != "auto" else "cpu"
-    in_group = [predict_memory(layouts, config.stage, policy, r, shape, offload) for r in range(min(group, 64))]
-    per_rank = [in_group[r % group] for r in range(min(world_size, 64))]
-    fullest = max(in_group, key=lambda m: sum(m.values()))
-    r = in_group.index(fullest)
+    cls, shape = _optimizer(optimizer, offload)
+    whole = plan_whole_model(units, config.stage, policy, world_size, group, cls) if cls is not None else None
+    per_rank, fullest, r = _memory(layouts, config.stage, policy, shape, offload, group, world_size, whole)
     locations = predict_locations(layouts, config.stage, policy, r, shape, offload, "host")
-    single = [lay for lays in plan_units(model, config, 1).layouts().values() for lay in lays]
-    unsharded = sum(v for k, v in predict_memory(single, Stage.PARAMETERS, policy, 0, shape).items() if k != "padding")
+    if whole is not None:  # its state lives on the device (no offload)
+        locations["device"]["optimizer_state"] += fullest["optimizer_state"]
+    unsharded = _unsharded(model, config, policy, shape, cls)
     traffic = predict_traffic(
         units,
         config.stage,
@@ -222,8 +273,45 @@ def plan_model(
         per_rank=per_rank,
         unsharded_bytes=unsharded,
         gathered_peak=(peak := predict_gathered_peak(units, config.stage, policy, reshard)),
-        **_groups(traffic, group, reshard, replicas, link, inter or link),
+        **_groups(traffic, group, reshard, replicas, link, inter or link, whole),
         **plan_fields(
             locations, predict_moves(layouts, policy, offload, shape, r), offload, tier_link, device_memory, peak
         ),
     )
+
+
+def _unsharded(
+    model: torch.nn.Module,
+    config: ShardLabConfig,
+    policy: PrecisionPolicy,
+    shape: OptimizerShape | None,
+    cls: type[Optimizer] | None,
+) -> float:
+    """The model state on one device (DDP): the layout of a world of 1, a whole-tensor optimizer's state all there."""
+    units = plan_units(model, config, 1).layouts()
+    alone = predict_memory([lay for lays in units.values() for lay in lays], Stage.PARAMETERS, policy, 0, shape)
+    if cls is not None:
+        alone["optimizer_state"] = plan_whole_model(units, Stage.PARAMETERS, policy, 1, 1, cls).optimizer_state(0)
+    return sum(v for k, v in alone.items() if k != "padding")
+
+
+def _memory(
+    layouts: list[FlatParamLayout],
+    stage: Stage,
+    policy: PrecisionPolicy,
+    shape: OptimizerShape | None,
+    offload: str,
+    group: int,
+    world_size: int,
+    whole: WholePlan | None,
+) -> tuple[list[dict[str, float]], dict[str, float], int]:
+    """(the first 64 ranks' bytes by category, the fullest rank's, its position in its shard group). Rank r
+    holds what position r mod G holds, but for a whole-tensor optimizer's state, which is its owners'."""
+    if whole is None:
+        in_group = [predict_memory(layouts, stage, policy, r, shape, offload) for r in range(min(group, 64))]
+        fullest = max(in_group, key=lambda m: sum(m.values()))
+        return [in_group[r % group] for r in range(min(world_size, 64))], fullest, in_group.index(fullest)
+    at = functools.cache(lambda position: predict_memory(layouts, stage, policy, position, None, offload))
+    everyone = memory_per_rank((at(rank % group) for rank in range(world_size)), whole)
+    fullest = max(everyone, key=lambda m: sum(m.values()))
+    return everyone[:64], fullest, everyone.index(fullest) % group

@@ -21,6 +21,14 @@ backward, so backward gathers inside K ranks.
 ``--offload cpu|disk`` puts the masters and the optimizer state in host memory or on disk (budget/tiers.py):
 the plan then shows what lives in each tier, what moves to and from it per step and the time on
 ``--tier-link``; ``--device-memory`` says whether what stays on the device fits.
+
+``--optimizer muon|adafactor`` plans a whole-tensor optimizer (budget/plan_whole.py): each parameter it steps
+is owned by one rank, which keeps its state; the plan shows the fullest rank's share (about 1/W) and the
+all-to-alls per step. With ``--model`` or ``--config``, Muon steps the parameters of 2+ dimensions inside
+units other than the root (the blocks' matrices) and AdamW the rest, the usual recipe; from ``--params``,
+the 1/W ideal.
+
+    shardlab plan --model lightning_shardlab.examples.gpt.GPT --world-size 8 --optimizer muon
 """
 
 from __future__ import annotations
@@ -111,7 +119,7 @@ def print_plan(plan: Plan, console: Console) -> None:
         table.add_row("gathered units at peak", _gb(plan.gathered_peak))
     hybrid = plan.replicas > 1
     inside = "moved per step in each shard group (full tensors)" if hybrid else "moved per step (full tensors)"
-    table.add_row(inside, _gb(traffic.scope_bytes("world", "shard")))
+    table.add_row(inside, _gb(traffic.scope_bytes("world", "shard", rings=True)))
     if plan.reshard_size:
         table.add_row("moved per step in each reshard group (full tensors)", _gb(traffic.scope_bytes("reshard")))
     if hybrid:
@@ -121,7 +129,7 @@ def print_plan(plan: Plan, console: Console) -> None:
         table.add_row("communication >= (both links)", _ms(plan.comm_seconds))
     else:
         table.add_row(f"communication >= ({plan.interconnect})", _ms(plan.comm_seconds))
-    for label, value in plan_rows(asdict(plan)):
+    for label, value in [*whole_rows(plan.whole_tensor, plan.world_size), *plan_rows(asdict(plan))]:
         table.add_row(label, _gb(value) if isinstance(value, float) else value)
     if plan.compute_seconds is not None:
         verdict = "hides behind compute" if plan.comm_seconds <= plan.compute_seconds else "exceeds compute"
@@ -131,6 +139,35 @@ def print_plan(plan: Plan, console: Console) -> None:
     console.print(
         f"{plan.params:,} parameters, stage {plan.stage}, {_grouping(plan)}, {plan.precision}", soft_wrap=True
     )
+    if plan.whole_tensor:
+        console.print(
+            f"{plan.whole_tensor['recipe']}; each parameter {plan.whole_tensor['optimizer']} steps is stepped whole"
+            " on one owner rank, which alone keeps its state: per step one all-to-all gathers its averaged gradient"
+            " pieces (and values, unless the owner holds the parameter whole), one returns the new values.",
+            soft_wrap=True,
+        )
+
+
+def whole_rows(whole: dict[str, Any] | None, world_size: int) -> list[tuple[str, float | str]]:
+    """(label, bytes or text) rows for a whole-tensor optimizer: the fullest owner, the 1/W ideal, the exchanges."""
+    if not whole:
+        return []
+    name, fullest, busiest = whole["optimizer"], whole["fullest_rank"], whole["busiest_rank"]
+    owned = f"{fullest['owned_params']:,} parameters, " if whole["params"] else ""
+    share = fullest["owned_numel"] / max(whole["numel"], 1)
+    return [
+        (
+            f"{name}: owned by the fullest rank ({fullest['rank']})",
+            f"{owned}{fullest['owned_numel']:,.0f} of {whole['numel']:,.0f} elements ({share:.1%}; 1/W"
+            f" {1 / world_size:.1%})",
+        ),
+        (f"{name} state of the fullest rank (whole tensors)", float(fullest["state_bytes"])),
+        (f"{name} state per rank, the 1/W ideal", float(whole["ideal_state_bytes_per_rank"])),
+        (
+            f"all-to-all per step: {whole['calls_per_step']} calls, sent by the busiest rank ({busiest['rank']})",
+            float(busiest["gather_bytes"] + busiest["return_bytes"]),
+        ),
+    ]
 
 
 def _ms(seconds: float) -> str:
@@ -155,7 +192,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--stage", type=int, choices=(1, 2, 3), help="default: the config's, else 3")
     p.add_argument("--precision", choices=tuple(COMPUTE), help="default: the config's, else bf16-mixed")
-    p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, rmsprop, adagrad, ... (default adamw)")
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        help="adamw, adam, sgd, rmsprop, adagrad, ... (default adamw); or a whole-tensor optimizer, each parameter"
+        " stepped whole on one owner rank: muon (with --model/--config the usual recipe: Muon steps the parameters"
+        " of 2+ dimensions inside units other than the root, AdamW the rest) or adafactor (every parameter)",
+    )
     p.add_argument("--shard-group-size", type=group_size, help="hybrid: G ranks shard the model, or 'node'")
     p.add_argument("--ranks-per-node", type=int, help="for --shard-group-size node (default: the world size)")
     p.add_argument("--reshard-after-forward", type=int, metavar="K", help="stage 3: gather for backward in K ranks")

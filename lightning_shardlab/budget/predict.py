@@ -100,8 +100,8 @@ class Traffic:
     reduce_scatter_calls: int = 0
     reduce_scatter_bytes: int = 0
     by_scope: dict[str, dict[str, list[int]]] = field(default_factory=dict)
-    all_to_all_calls: float = 0  # whole-tensor optimizers' exchanges (budget/whole_tensor.py): sent bytes
-    all_to_all_bytes: float = 0
+    all_to_all_calls: float = 0  # whole-tensor optimizers' exchanges (budget/whole_tensor.py): the bytes one
+    all_to_all_bytes: float = 0  # rank sends (a plan: the busiest rank's, budget/plan_whole.py)
 
     @property
     def bytes(self) -> int:
@@ -127,13 +127,18 @@ class Traffic:
         file_call(by_scope, "world", "all_to_all", calls, nbytes)
         return Traffic.of(by_scope)
 
-    def scope_bytes(self, *scopes: str, kind: str | None = None) -> int:
-        """Bytes filed under any of ``scopes`` (of one ``kind``, or all)."""
-        return sum(nbytes for s in scopes for k, (_, nbytes) in self.by_scope.get(s, {}).items() if kind in (None, k))
+    def scope_bytes(self, *scopes: str, kind: str | None = None, rings: bool = False) -> int:
+        """Bytes filed under any of ``scopes`` (of one ``kind``, or all; ``rings``: all but the all-to-alls,
+        whose bytes are what one rank sends, not full tensors)."""
+        return sum(nbytes for _, (_, nbytes) in self._entries(scopes, kind, rings))
 
-    def scope_calls(self, *scopes: str, kind: str | None = None) -> int:
-        """Calls filed under any of ``scopes`` (of one ``kind``, or all)."""
-        return sum(calls for s in scopes for k, (calls, _) in self.by_scope.get(s, {}).items() if kind in (None, k))
+    def scope_calls(self, *scopes: str, kind: str | None = None, rings: bool = False) -> int:
+        """Calls filed under any of ``scopes`` (of one ``kind``, or all; ``rings``: all but the all-to-alls)."""
+        return sum(calls for _, (calls, _) in self._entries(scopes, kind, rings))
+
+    def _entries(self, scopes: tuple[str, ...], kind: str | None, rings: bool) -> list[tuple[str, list[int]]]:
+        entries = [(k, entry) for s in scopes for k, entry in self.by_scope.get(s, {}).items()]
+        return [(k, e) for k, e in entries if kind in (None, k) and not (rings and k == "all_to_all")]
 
 
 def file_call(by_scope: dict[str, dict[str, list[int]]], scope: str, kind: str, calls: float, nbytes: float) -> None:
@@ -221,6 +226,11 @@ class Interconnect:
         each rank sends and receives (N-1)/N of them, in N-1 messages per call."""
         n = world_size
         return (n - 1) / n * nbytes / self.bandwidth + calls * (n - 1) * self.latency
+
+    def exchange_seconds(self, nbytes: float, calls: int = 1) -> float:
+        """Lower bound for ``calls`` all-to-alls in which one rank sends ``nbytes`` in all: its link carries
+        them at full bandwidth, its messages of one call in flight together (one latency)."""
+        return nbytes / self.bandwidth + calls * self.latency if nbytes else 0.0
 
     def all_reduce_seconds(self, nbytes: float, world_size: int, calls: int = 1) -> float:
         """Lower bound for ``calls`` ring all-reduces of ``nbytes`` in all (a reduce-scatter, then an

@@ -1,7 +1,9 @@
 """The budget's tables, printed by rank 0 when fit ends: every rank's figures, measured (predicted).
 
 Memory per rank by category, a line on the units (what stage 3 gathers at a time, and which option made
-them), communication per step by collective, by group for hybrid or regrouped runs, and the offload tiers.
+them), communication per step by collective (all_to_all: the bytes this rank sends), by group for hybrid or
+regrouped runs, the offload tiers, and what the owners of whole-tensor optimizers (Muon, Adafactor) hold and
+exchange (budget/whole_tensor.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from rich.table import Table
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES
 from lightning_shardlab.budget.tiers import tier_table
 from lightning_shardlab.comm.mesh import SCOPES
-from lightning_shardlab.core.display import mib, print_table
+from lightning_shardlab.core.display import mib, print_table, size
 
 
 def print_budget(console: Console, everyone: list[dict[str, Any]]) -> None:
@@ -27,6 +29,8 @@ def print_budget(console: Console, everyone: list[dict[str, Any]]) -> None:
         print_table(console, scope_table(everyone))
     if first["offload"] != "none":
         print_table(console, tier_table(everyone))
+    if any(r.get("whole_tensor") for r in everyone):
+        print_table(console, whole_tensor_table(everyone))
 
 
 def memory_table(everyone: list[dict[str, Any]]) -> Table:
@@ -81,7 +85,10 @@ def comm_table(everyone: list[dict[str, Any]]) -> Table:
     first = everyone[0]
     table = Table(
         title=f"shardlab budget: communication per optimizer step ({first['optimizer_steps']} steps),"
-        " full-tensor MiB, measured (predicted)"
+        " full-tensor MiB, measured (predicted)",
+        caption="all_to_all (whole-tensor optimizers' exchanges): the MiB this rank sends"
+        if any("all_to_all" in r["comm_per_step"] for r in everyone)
+        else None,
     )
     for col in ("rank", "collective", "calls", "MiB", "seconds waiting", "share of step"):
         table.add_column(col, justify="right")
@@ -112,4 +119,36 @@ def scope_table(everyone: list[dict[str, Any]]) -> Table:
                 moved = mib(c["bytes"]) + (f" ({mib(p[1])})" if p is not None else "")
                 group = f"{scope}: {SCOPES.get(scope, scope)}"
                 table.add_row(str(r["rank"]), group, kind, calls, moved, f"{c['seconds']:.4f}")
+    return table
+
+
+def whole_tensor_table(everyone: list[dict[str, Any]]) -> Table:
+    """Per rank, over its whole-tensor optimizers: the parameters it owns, the state it keeps for them, and the
+    all-to-alls per step it takes part in (a gather and a return per master dtype), measured (predicted)."""
+    table = Table(
+        title="shardlab budget: whole-tensor optimizers, each parameter stepped whole on its owner rank: the state"
+        " of what it owns, all-to-alls per optimizer step, measured (predicted)",
+        caption="sent: what this rank sends (gathers: averaged gradient pieces, and values unless the owner holds"
+        " them whole; returns: the new values to every holder)",
+    )
+    for col in ("rank", "optimizer", "owned params", "owned elements", "share", "state", "all-to-alls", "sent"):
+        table.add_column(col, justify="right")
+    for r in everyone:
+        opts = r.get("whole_tensor") or []
+        if not opts:
+            continue
+        owned, total = sum(o["owned_numel"] for o in opts), sum(o["total_numel"] for o in opts)
+        state = [sum(o[f"state_bytes_{side}"] for o in opts) for side in ("measured", "predicted")]
+        measured = r["comm_per_step"].get("all_to_all", {"calls": 0.0, "bytes": 0.0})
+        predicted = r["comm_predicted_per_step"]
+        table.add_row(
+            str(r["rank"]),
+            ", ".join(o["optimizer"] for o in opts),
+            f"{sum(o['owned'] for o in opts)} of {sum(o['params'] for o in opts)}",
+            f"{owned:,} of {total:,}",
+            f"{owned / max(total, 1):.1%} (1/W {1 / r['world_size']:.1%})",
+            f"{size(state[0])} ({size(state[1])})",
+            f"{measured['calls']:.1f} ({predicted.get('all_to_all_calls', 0):.1f})",
+            f"{size(measured['bytes'])} ({size(predicted.get('all_to_all_bytes', 0))})",
+        )
     return table

@@ -9,7 +9,9 @@ Optimizer state per owned parameter of shape (..., m, n), in the master's dtype:
 
 With several optimizers (Muon on the matrices, AdamW on the rest) every parameter's state is predicted by the
 optimizer that holds it: elementwise ones on the parameter's slice in this rank's shard, whole-tensor ones on
-the parameters this rank owns.
+the parameters this rank owns. ``ShardLabBudget`` prints these figures per rank beside what it measured
+(budget/tables.py: ``whole_tensor_table``); ``shardlab plan --optimizer muon|adafactor`` predicts them before
+the run (budget/plan_whole.py).
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ from lightning_shardlab.sharding.whole_step import plan_of, stepped_count
 STEP_BYTES = 4  # a float32 step counter (Adafactor)
 
 
-def whole_state_bytes(optimizer: Optimizer, shape: torch.Size, itemsize: int) -> int:
-    """Bytes of ``optimizer``'s state for one whole parameter of ``shape`` (see the module docstring); an
-    optimizer of unknown shape is predicted as Adam-like (two whole moments)."""
+def whole_state_bytes(cls: type[Optimizer], shape: torch.Size, itemsize: int) -> int:
+    """Bytes of the state an optimizer of class ``cls`` keeps for one whole parameter of ``shape`` (see the
+    module docstring); a class of unknown shape is predicted as Adam-like (two whole moments)."""
     numel = shape.numel()
-    if isinstance(optimizer, torch.optim.Muon):
+    if issubclass(cls, torch.optim.Muon):
         return numel * itemsize
-    if isinstance(optimizer, torch.optim.Adafactor):
+    if issubclass(cls, torch.optim.Adafactor):
         if len(shape) >= 2:
             return (numel // shape[-1] + numel // shape[-2]) * itemsize + STEP_BYTES
         return numel * itemsize + STEP_BYTES
@@ -55,7 +57,7 @@ def state_bytes_predicted(sharded: ShardedModel, optimizers: list[Optimizer]) ->
             plan = plan_of(optimizer, sharded)
             for p in params:
                 if plan.owns(p):
-                    total += whole_state_bytes(optimizer, p.shape, masters[id(p)][1].element_size())
+                    total += whole_state_bytes(type(optimizer), p.shape, masters[id(p)][1].element_size())
             continue
         shape = OptimizerShape.of(optimizer)
         for p in params:
@@ -99,13 +101,14 @@ def whole_tensor_report(sharded: ShardedModel, optimizers: list[Optimizer], glob
             if isinstance(v, Tensor)
         )
         predicted = sum(
-            whole_state_bytes(optimizer, p.shape, masters[id(p)][1].element_size()) for p in owned if _trained(p)
+            whole_state_bytes(type(optimizer), p.shape, masters[id(p)][1].element_size()) for p in owned if _trained(p)
         )
         steps = stepped_count(optimizer)
         calls, nbytes = _exchange_per_step(sharded, optimizer)
         share = steps / max(global_steps, 1)  # its steps per step of the run (1/2 beside a second optimizer)
-        out["all_to_all_calls"] += calls * share
-        out["all_to_all_bytes"] += nbytes * share
+        exchange = {"calls": calls * share, "bytes": nbytes * share}  # this rank sends, per step of the run
+        out["all_to_all_calls"] += exchange["calls"]
+        out["all_to_all_bytes"] += exchange["bytes"]
         gathered, returned = exchange_numel([plan.entries[id(p)] for p in plan.params if _trained(p)], plan.geo)
         out["optimizers"].append(
             {
@@ -118,6 +121,7 @@ def whole_tensor_report(sharded: ShardedModel, optimizers: list[Optimizer], glob
                 "state_bytes_measured": measured,
                 "state_bytes_predicted": predicted,
                 "steps": steps,
+                "exchange_per_step": exchange,
                 "exchange_numel_per_step": {"gather": gathered, "return": returned},  # over every pair of ranks
             }
         )

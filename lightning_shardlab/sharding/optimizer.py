@@ -116,8 +116,21 @@ class OptimizerShape:
 
     @staticmethod
     def named(name: str) -> OptimizerShape:
-        key = {n.lower(): n for n in STATE_TENSORS}[name.lower()]
+        """An elementwise optimizer's shape by its name ('adamw', 'sgd', ...); ``ValueError`` for any other (a
+        whole-tensor optimizer's state is per parameter: budget/whole_tensor.py)."""
+        key = {n.lower(): n for n in STATE_TENSORS}.get(name.lower())
+        if key is None:
+            known = ", ".join(sorted([*map(str.lower, STATE_TENSORS), *WHOLE_TENSOR_NAMES]))
+            raise ValueError(f"--optimizer {name!r} is not known. HINT: one of {known}.")
         return OptimizerShape(STATE_TENSORS[key] if key != "SGD" else 1, SCALAR_STATE_BYTES.get(key, 0))
+
+
+WHOLE_TENSOR_NAMES = {cls.__name__.lower(): cls for cls in WHOLE_TENSOR}  # 'muon', 'adafactor'
+
+
+def whole_tensor_class(name: str) -> type[Optimizer] | None:
+    """The whole-tensor optimizer class named ``name`` (any case: 'muon', 'adafactor'), else None."""
+    return WHOLE_TENSOR_NAMES.get(name.lower())
 
 
 def is_per_element(key: str, value: Any, shape: torch.Size | None) -> bool:

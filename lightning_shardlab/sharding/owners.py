@@ -17,7 +17,8 @@ flattened parameter, at ``[lo, hi)`` of its master shard (possibly none). One op
     update    the owner runs the optimizer's own update on the whole parameter, its state kept there alone
     return    the owner sends each holder, in every shard group, its piece of the new values; one all-to-all
 
-This module computes that plan; sharding/whole_step.py carries it out, the budget predicts its bytes from it.
+This module computes that plan; sharding/whole_step.py carries it out, the budget predicts its bytes from it
+(for a running optimizer, and from a layout alone for ``shardlab plan``: ``pieces_of``, ``sent_by_rank``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from lightning_shardlab.sharding.flat_param import FlatParamLayout, ParamSlot
 
 
 @dataclass(frozen=True)
@@ -120,3 +123,32 @@ def exchange_numel(entries: list[Owned], geo: Geometry) -> tuple[int, int]:
     gathered = sum(sum(gather_counts(entries, geo, r)[0]) for r in range(geo.world_size))
     returned = sum(sum(return_counts(entries, geo, r)[0]) for r in range(geo.world_size))
     return gathered, returned
+
+
+def pieces_of(layout: FlatParamLayout, slot: ParamSlot) -> tuple[Piece, ...]:
+    """The non-empty pieces of ``slot`` in ``layout``'s shards, from the layout alone (what a running flat
+    parameter's shards hold)."""
+    pieces = []
+    for position in range(layout.world_size):
+        lo, hi = layout.slot_in_shard(slot, position)
+        if hi > lo:
+            pieces.append(Piece(position, lo, layout.shard_range(position)[0] + lo - slot.offset, hi - lo))
+    return tuple(pieces)
+
+
+def sent_by_rank(entries: list[Owned], geo: Geometry) -> dict[str, list[int]]:
+    """Elements each world rank sends in one gather and in one return of ``entries`` (its own pieces not
+    counted; what ``gather_counts`` and ``return_counts`` give rank by rank, in one pass for any world size),
+    and "across": the part of the return that leaves the owner's shard group (hybrid)."""
+    out = {key: [0] * geo.world_size for key in ("gather", "return", "across")}
+    groups = geo.world_size // geo.shard_size
+    for e in entries:
+        factor = 2 if e.values_travel else 1
+        for piece in e.pieces:
+            source = geo.rank(geo.group_of(e.owner), piece.position)
+            if source != e.owner:
+                out["gather"][source] += factor * piece.n
+            own = piece.n if source == e.owner else 0
+            out["return"][e.owner] += groups * piece.n - own
+            out["across"][e.owner] += (groups - 1) * piece.n
+    return out

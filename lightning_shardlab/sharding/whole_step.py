@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.sharding.flat_param import FlatParam, stub
-from lightning_shardlab.sharding.owners import Geometry, Owned, Piece, assign_owners, exchange_numel
+from lightning_shardlab.sharding.owners import Geometry, Owned, Piece, assign_owners, exchange_numel, pieces_of
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 Slot = tuple[FlatParam, int]  # a flat parameter, and the index of the parameter in it
@@ -51,14 +51,9 @@ class OwnerPlan:
 
     def _owned(self, param: Tensor, owner: int) -> Owned:
         fp, _ = self.slots[id(param)]
-        slot, layout = self._slot(param), fp.layout
-        pieces = []
-        for position in range(layout.world_size):
-            lo, hi = layout.slot_in_shard(slot, position)
-            if hi > lo:
-                pieces.append(Piece(position, lo, layout.shard_range(position)[0] + lo - slot.offset, hi - lo))
+        slot = self._slot(param)
         travel = not (fp.resident_full and fp.master is fp.shard)
-        return Owned(slot.name, slot.shape, owner, tuple(pieces), travel)
+        return Owned(slot.name, slot.shape, owner, pieces_of(fp.layout, slot), travel)
 
     def owns(self, param: Tensor) -> bool:
         return self.entries[id(param)].owner == self.rank
