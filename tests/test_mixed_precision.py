@@ -21,7 +21,7 @@ from lightning_shardlab.core.config import PrecisionPolicy
 from lightning_shardlab.trainer.precision import ShardLabPrecision
 from tests.helpers.launch import run_ranks
 from tests.helpers.reference import init_from_env, mean_over_ranks, reference_shard, shutdown
-from tests.models import OddNet, OrderedData, TinyGPT, regression_batches, token_dataset
+from tests.models import MuonGPT, OddNet, OrderedData, TinyGPT, regression_batches, token_dataset
 
 BF16 = {"rtol": 1.6e-2, "atol": 1e-5}
 
@@ -138,6 +138,67 @@ def trainer_bf16_mixed(world_size: int, steps: int = 6) -> dict:
 
 def test_bf16_mixed_through_the_trainer() -> None:
     run_ranks("tests.test_mixed_precision:trainer_bf16_mixed", 2, {"world_size": 2}, timeout=180)
+
+
+class Both:
+    """Several optimizers stepped after one backward, as one (the reference's ``optimizer``)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+
+def two_optimizers_bf16_mixed(stages: list[int], world_size: int = 2, steps: int = 4) -> dict:
+    """Muon on the blocks' matrices and AdamW on the rest, stepped one after the other after one backward, in
+    bf16-mixed: parameters of both share flat parameters, so the first step must leave the second optimizer's
+    fp32 gradients in place (each of its parameters is stepped: it has state, and equals the same recipe)."""
+    data = token_dataset(steps * 2 * world_size)
+    for stage in stages:
+        torch.manual_seed(0)
+        model = MuonGPT()
+        master = copy.deepcopy(model)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=ShardLabStrategy(stage=stage),
+            precision="bf16-mixed",
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+        )
+        trainer.fit(model, OrderedData(data, 2))
+        muon, adamw = trainer.optimizers
+        trained = [p for g in adamw.param_groups for p in g["params"] if p.requires_grad]
+        assert all("exp_avg" in adamw.state.get(p, {}) for p in trained), f"stage {stage}: AdamW skipped parameters"
+        state = trainer.strategy.full_state_dict()
+        if trainer.global_rank != 0:
+            continue
+        reference = SameRecipe(master)
+        reference.optimizer = Both(master.configure_optimizers())
+        tokens, targets = data.tensors
+        for step in range(steps):
+            batches = []
+            for r in range(world_size):
+                idx = torch.arange(step * 2 * world_size + r, (step + 1) * 2 * world_size, world_size)
+                batches.append((tokens[idx], targets[idx]))
+            reference.step(batches, lambda m, b: m.gpt.loss(b))
+        for key, value in master.state_dict().items():
+            assert_close(state[key], value, **BF16, msg=lambda m, k=key: f"stage {stage}, {k}\n{m}")
+    return {}
+
+
+def test_two_optimizers_after_one_backward_in_bf16_mixed() -> None:
+    run_ranks("tests.test_mixed_precision:two_optimizers_bf16_mixed", 2, {"stages": [2, 3]}, timeout=180)
 
 
 def fp16_overflow_skips_on_every_rank() -> dict:

@@ -69,14 +69,23 @@ def show(fp: FlatParam, used: Tensor) -> None:
     fp.grads_shown = True
 
 
-def release(fp: FlatParam) -> None:
-    """After an optimizer step in mixed precision: drop the fp32 copy (the grad shard stays)."""
+def release(fp: FlatParam, stepped: set[int] | None = None) -> None:
+    """After an optimizer step in mixed precision: the master views of the parameters it stepped (ids of the
+    original params; None: all) let go of their fp32 gradient, and the fp32 copy is dropped once no view shows
+    it. Another optimizer over other parameters of the same flat parameter (Muon beside AdamW, after one
+    backward) may step next: its views keep theirs."""
     if fp.master_grad is None:
         return
-    for master, lo, hi in _slices(fp):
-        if master.grad is not None and master.grad.data_ptr() == fp.master_grad[lo:hi].data_ptr():
+    shown = False
+    for param, (master, lo, hi) in zip(fp.params, _slices(fp)):
+        if master.grad is None or master.grad.data_ptr() != fp.master_grad[lo:hi].data_ptr():
+            continue
+        if stepped is None or id(param) in stepped:
             master.grad = None
-    fp.master_grad = None
+        elif hi > lo:
+            shown = True
+    if not shown:
+        fp.master_grad = None
 
 
 def flat_grad(fp: FlatParam) -> Tensor:

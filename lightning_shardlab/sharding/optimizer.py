@@ -200,7 +200,9 @@ def shard_optimizer(optimizer: Optimizer, sharded: ShardedModel) -> None:
     optimizer.__class__ = type(f"Sharded{cls.__name__}", (cls,), _sharded_methods(cls, sharded, whole))
     _rewrap_lr_scheduler(optimizer)
     optimizer.register_step_post_hook(
-        lambda opt, args, kwargs: sharded.after_optimizer_step(sharded.flat_params_of(_originals(opt)))
+        lambda opt, args, kwargs: sharded.after_optimizer_step(
+            sharded.flat_params_of(_originals(opt)), {id(p) for p in _originals(opt)}
+        )
     )
 
 

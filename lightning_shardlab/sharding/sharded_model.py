@@ -330,14 +330,15 @@ class ShardedModel:
         for fp in self.flat_params:
             gradients.release(fp)
 
-    def after_optimizer_step(self, stepped: set[FlatParam]) -> None:
-        """Bring the compute copies up to date with the master shards an optimizer just updated."""
+    def after_optimizer_step(self, stepped: set[FlatParam], params: set[int] | None = None) -> None:
+        """Bring the compute copies up to date with the master shards an optimizer just updated (``params``:
+        the ids of the parameters it stepped, whose fp32 gradients are released; None: all of ``stepped``)."""
         self.wait_gathers()  # nothing may still be sending a shard the step changed
         for unit in self.units:
             if unit.state in (UnitState.PREFETCHED, UnitState.REGROUPED):  # gathered before the step: stale now
                 unit.reshard()
         for fp in stepped:
-            gradients.release(fp)
+            gradients.release(fp, params)
         self.refresh(stepped)
         if not self._root_held:
             self.root.reshard()
