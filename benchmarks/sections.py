@@ -8,6 +8,7 @@ from pathlib import Path
 MARKERS = {
     "defaults_cost": ("<!-- defaults_cost: begin -->", "<!-- defaults_cost: end -->"),
     "identity_cost": ("<!-- identity_cost: begin -->", "<!-- identity_cost: end -->"),
+    "whole_tensor": ("<!-- whole_tensor: begin -->", "<!-- whole_tensor: end -->"),
 }
 
 
