@@ -112,8 +112,9 @@ def _fabric_run(offload: str, tmp: str) -> dict:
     strategy = shardlab_fabric.ShardLabStrategy(stage=3, offload=offload, offload_dir=f"{tmp}/offload")
     fabric = L.Fabric(devices=WORLD, strategy=strategy, **FABRIC_QUIET)
     fabric.launch()
-    model, optimizer, schedule = fabric_objects(fabric, 3, "tiny_gpt")
-    record = fabric_train(fabric, model, optimizer, schedule, fabric_batches(WORLD, fabric.global_rank), range(4))
+    model, optimizers, schedules = fabric_objects(fabric, 3, "tiny_gpt")
+    batches = fabric_batches(WORLD, fabric.global_rank)
+    record = fabric_train(fabric, model, optimizers, schedules, batches, range(4), "tiny_gpt")
     return {**record, "weights": fabric.strategy.full_state_dict(model)}
 
 
