@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
+from torch.utils.data import TensorDataset
 
 from lightning_shardlab import ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
 from lightning_shardlab.core.config import PrecisionPolicy
@@ -98,38 +99,49 @@ def test_bf16_mixed_matches_the_same_recipe_unsharded(stage: int) -> None:
     run_ranks("tests.test_mixed_precision:core_bf16_mixed", 2, {"stage": stage}, timeout=120)
 
 
-def trainer_bf16_mixed(world_size: int, steps: int = 6) -> dict:
-    """Through the Trainer: precision="bf16-mixed" with the shardlab strategy, on a tiny GPT."""
-    torch.manual_seed(0)
-    model = TinyGPT()
-    master = copy.deepcopy(model)
-    data = token_dataset(steps * 2 * world_size)
+def _bf16_fit(model: L.LightningModule, data: TensorDataset, world_size: int, stage: int, **limits: int) -> L.Trainer:
+    """``model`` trained in "bf16-mixed" by the shardlab strategy at ``stage``, rank r on samples r, r + N, ..."""
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world_size,
-        strategy=ShardLabStrategy(),
+        strategy=ShardLabStrategy(stage=stage),
         precision="bf16-mixed",
-        max_steps=steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
+        **limits,
     )
     trainer.fit(model, OrderedData(data, 2))
-    assert trainer.precision == "bf16-mixed"
-    state = trainer.strategy.full_state_dict()
-    if trainer.global_rank != 0:
-        return {}
-    reference = SameRecipe(master, lr=master.hparams.lr)
-    reference.optimizer = master.configure_optimizers()
+    return trainer
+
+
+def _replay(reference: SameRecipe, data: TensorDataset, world_size: int, steps: int, loss_fn) -> None:  # noqa: ANN001
+    """The reference steps on the same global batches: each rank's local batch of each step."""
     tokens, targets = data.tensors
     for step in range(steps):
         batches = []
         for r in range(world_size):
             idx = torch.arange(step * 2 * world_size + r, (step + 1) * 2 * world_size, world_size)
             batches.append((tokens[idx], targets[idx]))
-        reference.step(batches, lambda m, b: m.loss(b))
+        reference.step(batches, loss_fn)
+
+
+def trainer_bf16_mixed(world_size: int, steps: int = 6) -> dict:
+    """Through the Trainer: precision="bf16-mixed" with the shardlab strategy, on a tiny GPT."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    master = copy.deepcopy(model)
+    data = token_dataset(steps * 2 * world_size)
+    trainer = _bf16_fit(model, data, world_size, 3, max_steps=steps)
+    assert trainer.precision == "bf16-mixed"
+    state = trainer.strategy.full_state_dict()
+    if trainer.global_rank != 0:
+        return {}
+    reference = SameRecipe(master, lr=master.hparams.lr)
+    reference.optimizer = master.configure_optimizers()
+    _replay(reference, data, world_size, steps, lambda m, b: m.loss(b))
     for key, value in master.state_dict().items():
         assert state[key].dtype == torch.float32, key  # the full state dict holds the fp32 masters
         assert_close(state[key], value, **BF16, msg=lambda m, k=key: f"{k}\n{m}")
@@ -164,19 +176,7 @@ def two_optimizers_bf16_mixed(stages: list[int], world_size: int = 2, steps: int
         torch.manual_seed(0)
         model = MuonGPT()
         master = copy.deepcopy(model)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=world_size,
-            strategy=ShardLabStrategy(stage=stage),
-            precision="bf16-mixed",
-            max_epochs=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-        )
-        trainer.fit(model, OrderedData(data, 2))
+        trainer = _bf16_fit(model, data, world_size, stage, max_epochs=1)
         muon, adamw = trainer.optimizers
         trained = [p for g in adamw.param_groups for p in g["params"] if p.requires_grad]
         assert all("exp_avg" in adamw.state.get(p, {}) for p in trained), f"stage {stage}: AdamW skipped parameters"
@@ -185,13 +185,7 @@ def two_optimizers_bf16_mixed(stages: list[int], world_size: int = 2, steps: int
             continue
         reference = SameRecipe(master)
         reference.optimizer = Both(master.configure_optimizers())
-        tokens, targets = data.tensors
-        for step in range(steps):
-            batches = []
-            for r in range(world_size):
-                idx = torch.arange(step * 2 * world_size + r, (step + 1) * 2 * world_size, world_size)
-                batches.append((tokens[idx], targets[idx]))
-            reference.step(batches, lambda m, b: m.gpt.loss(b))
+        _replay(reference, data, world_size, steps, lambda m, b: m.gpt.loss(b))
         for key, value in master.state_dict().items():
             assert_close(state[key], value, **BF16, msg=lambda m, k=key: f"stage {stage}, {k}\n{m}")
     return {}
