@@ -4,8 +4,10 @@ predict.py       the ZeRO table applied to the real layout (or a parameter count
 measure.py       the bytes this rank holds right now, read from its tensors (traffic: comm/ledger.py)
 tiers.py         offload: the bytes in each tier (device, host, disk) and what moves between them per step
 whole_tensor.py  whole-tensor optimizers (Muon, Adafactor): owned state and the owners' exchanges, predicted
+activations.py   what autograd saves for backward in a training step, by unit, measured
 report.py        one rank's figures at the end of a run, measured beside predicted
 tables.py        rank 0's tables of every rank's report
+bars.py          every rank's memory as a stacked bar, activations on top (shardlab_budget.png)
 callback.py      ``ShardLabBudget``: measures each step (Trainer hooks, or a Fabric loop) and reports at the end
 plan.py          the same prediction for a run that has not happened: from a parameter count or a model's layout
 plan_whole.py    the plan of a whole-tensor optimizer: owners' state per rank (Muon beside AdamW), exchanges

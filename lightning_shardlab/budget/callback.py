@@ -10,7 +10,9 @@ communication is the steady state: the first optimizer step is a warm-up and lef
 regrouped run (comm/mesh.py) also gets its communication by group: inside shard groups, across them,
 inside reshard groups (``comm_per_step_by_scope``, set beside the prediction's ``by_scope``). Whole-tensor
 optimizers (Muon, Adafactor) get a table of their own: per rank, what it owns, the state it keeps for it and
-its all-to-alls per step (budget/whole_tensor.py), measured beside predicted.
+its all-to-alls per step (budget/whole_tensor.py), measured beside predicted. Around each training step it
+also measures what autograd saves for backward, by unit (budget/activations.py), and draws every rank's memory
+as a stacked bar, activations on top (``shardlab_budget.png``, budget/bars.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import lightning as L
 import torch
 from rich.console import Console
 
+from lightning_shardlab.budget.activations import ActivationMeter
+from lightning_shardlab.budget.bars import write_bars
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, measure_memory
 from lightning_shardlab.budget.report import Measured, Run, rank_report
 from lightning_shardlab.budget.tables import print_budget
@@ -60,6 +64,7 @@ class ShardLabBudget(L.Callback):
         # in the steps measured: bytes this process read from / wrote to storage, seconds in offloaded steps
         self.storage_io = [0.0, 0.0, 0.0]
         self.reports: list[dict[str, Any]] | None = None  # every rank's figures, once fit (or report()) ends
+        self.activations: ActivationMeter | None = None  # what each training step saves for backward, by unit
 
     # ---- a Fabric loop ----
 
@@ -97,6 +102,9 @@ class ShardLabBudget(L.Callback):
 
     def _start(self, run: Run) -> None:
         run.sharded.comm.ledger.reset()  # training traffic only, not setup
+        if self.activations is not None:
+            self.activations.remove()
+        self.activations = ActivationMeter(run.sharded)
         self._first_step = run.step
         self._warmed_up = False
 
@@ -131,6 +139,8 @@ class ShardLabBudget(L.Callback):
         run.sharded.comm.ledger.reset_peak()
         self._comm_before = self._comm_totals(run.sharded.comm.ledger)
         self._io_before = tier_counters(run.sharded)
+        if self.activations is not None:
+            self.activations.start()
         self._started = time.perf_counter()
 
     @staticmethod
@@ -145,6 +155,8 @@ class ShardLabBudget(L.Callback):
     def _batch_end(self, run: Run) -> None:
         sharded = run.sharded
         seconds = time.perf_counter() - self._started
+        if self.activations is not None:
+            self.activations.stop()
         self.step_seconds += seconds
         io = tier_counters(sharded)
         if io is not None and self._io_before is not None:
@@ -206,7 +218,9 @@ class ShardLabBudget(L.Callback):
         print_budget(self.console, everyone)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / self.json_name).write_text(json.dumps(everyone, indent=1))
-        self.console.print(f"[rank 0] budget written to {directory / self.json_name}")
+        bars = write_bars(everyone, directory / Path(self.json_name).with_suffix(".png").name)
+        drawn = f" and {bars}" if bars is not None else ""
+        self.console.print(f"[rank 0] budget written to {directory / self.json_name}{drawn}")
         return everyone
 
     def _report(self, run: Run) -> dict[str, Any]:
@@ -214,4 +228,8 @@ class ShardLabBudget(L.Callback):
         if self._warmed_up and run.step == self._first_step:  # the warm-up was the only step
             training, step_seconds = self._warm_up
         steps = max(run.step - self._first_step, 1)
-        return rank_report(run, Measured(self.last, training, step_seconds, steps, self.storage_io))
+        activations = self.activations.report() if self.activations is not None else {}
+        if self.activations is not None:
+            self.activations.remove()
+            self.activations = None
+        return rank_report(run, Measured(self.last, training, step_seconds, steps, self.storage_io, activations))

@@ -4,7 +4,8 @@
 through ``budget.watch``). ``rank_report`` assembles this rank's figures into the plain dict every rank
 sends to rank 0 at the end (and that ``shardlab_budget.json`` holds): memory by category measured and
 predicted, the gathered peak, the units as they ran, communication per step by kind, by group and by call,
-the offload tiers, and what whole-tensor optimizers' owners hold (budget/whole_tensor.py).
+the offload tiers, what whole-tensor optimizers' owners hold (budget/whole_tensor.py), and the activations
+saved for backward by unit (budget/activations.py).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Measured:
     step_seconds: float  # all steps together
     steps: int
     storage_io: list[float]  # bytes read, bytes written, seconds in offloaded steps (all steps together)
+    activations: dict[str, Any]  # saved for backward at the peak forward, by unit (budget/activations.py)
 
 
 def rank_report(run: Run, measured: Measured) -> dict[str, Any]:
@@ -124,6 +126,7 @@ def rank_report(run: Run, measured: Measured) -> dict[str, Any]:
         "step_seconds": step_seconds,
         "comm_share_of_step": sum(c["seconds"] for c in comm.values()) / max(step_seconds, 1e-12),
         "whole_tensor": whole["optimizers"],
+        "activations_measured": measured.activations,
         **tier_report(sharded, run.optimizers, optimizer),
         "storage_io_per_step": dict(
             zip(("read", "written", "offload_seconds"), (v / steps for v in measured.storage_io))

@@ -2,8 +2,8 @@
 
 Memory per rank by category, a line on the units (what stage 3 gathers at a time, and which option made
 them), communication per step by collective (all_to_all: the bytes this rank sends), by group for hybrid or
-regrouped runs, the offload tiers, and what the owners of whole-tensor optimizers (Muon, Adafactor) hold and
-exchange (budget/whole_tensor.py).
+regrouped runs, the offload tiers, what the owners of whole-tensor optimizers (Muon, Adafactor) hold and
+exchange (budget/whole_tensor.py), and the activations saved for backward by unit (budget/activations.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ def print_budget(console: Console, everyone: list[dict[str, Any]]) -> None:
         print_table(console, tier_table(everyone))
     if any(r.get("whole_tensor") for r in everyone):
         print_table(console, whole_tensor_table(everyone))
+    if any(r.get("activations_measured") for r in everyone):
+        print_table(console, activations_table(everyone))
 
 
 def memory_table(everyone: list[dict[str, Any]]) -> Table:
@@ -150,5 +152,34 @@ def whole_tensor_table(everyone: list[dict[str, Any]]) -> Table:
             f"{size(state[0])} ({size(state[1])})",
             f"{measured['calls']:.1f} ({predicted.get('all_to_all_calls', 0):.1f})",
             f"{size(measured['bytes'])} ({size(predicted.get('all_to_all_bytes', 0))})",
+        )
+    return table
+
+
+def activations_table(everyone: list[dict[str, Any]]) -> Table:
+    """Per rank: the bytes autograd saved for backward in the largest forward of a step, by unit (each storage
+    once), beside the model state it adds to (budget/activations.py)."""
+    table = Table(
+        title="shardlab budget: activations saved for backward at the peak forward, MiB measured (storages counted"
+        " once; parameters and gathered buffers are model state, not counted here)",
+        caption="checkpointed units keep only their inputs; their forward is recomputed in backward",
+    )
+    for col in ("rank", "activations", "model state", "root", "units (largest first)", "checkpointed"):
+        table.add_column(col, justify="right")
+    for r in everyone:
+        act = r.get("activations_measured") or {}
+        units = {n: b for n, b in act.get("by_unit", {}).items() if n != "root"}
+        largest = sorted(units.items(), key=lambda item: -item[1])
+        shown = ", ".join(f"{n} {mib(b)}" for n, b in largest[:4]) + (
+            f", +{len(largest) - 4}" if len(largest) > 4 else ""
+        )
+        state = sum(v for k, v in r["memory_measured"].items() if k in MEMORY_CATEGORIES and k != "padding")
+        table.add_row(
+            str(r["rank"]),
+            mib(act.get("total", 0)),
+            mib(state),
+            mib(act.get("by_unit", {}).get("root", 0)),
+            shown or "-",
+            str(len(act.get("checkpointed", []))),
         )
     return table
