@@ -9,6 +9,7 @@ MARKERS = {
     "defaults_cost": ("<!-- defaults_cost: begin -->", "<!-- defaults_cost: end -->"),
     "identity_cost": ("<!-- identity_cost: begin -->", "<!-- identity_cost: end -->"),
     "whole_tensor": ("<!-- whole_tensor: begin -->", "<!-- whole_tensor: end -->"),
+    "activations_cost": ("<!-- activations_cost: begin -->", "<!-- activations_cost: end -->"),
 }
 
 
