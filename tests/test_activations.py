@@ -60,21 +60,27 @@ class Stack(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def expected_by_unit() -> dict[str, int]:
+def expected_by_unit(checkpointed: bool = False) -> dict[str, int]:
+    """Bytes by unit (the module docstring); with every block checkpointed, a block keeps only its input and the
+    head's input (the last block's output) is saved by the head, in the root unit."""
     rows = BATCH * FLOAT
+    if checkpointed:
+        return {"root": rows * (7 + WIDTH + 1 + 1), **{f"blocks.{k}": rows * WIDTH for k in range(DEPTH)}}
     units = {"root": rows * (7 + 1 + 1), "blocks.0": rows * 2 * WIDTH}
     units.update({f"blocks.{k}": rows * WIDTH for k in range(1, DEPTH)})
     return units
 
 
-def measured_by_stage(stages: list[int], directory: str) -> dict[int, Any]:
+def measured_by_stage(stages: list[int], directory: str) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(4 * BATCH, 7, generator=g), torch.randn(4 * BATCH, 1, generator=g))
     out = {}
-    for stage in stages:
-        budget = ShardLabBudget()
-        strategy = ShardLabStrategy(stage=stage, unit_classes=[Block], sanity_every_n_steps=0)
-        root = f"{directory}/stage{stage}"
+    for stage, checkpointed in [*((s, False) for s in stages), (3, True)]:
+        budget = ShardLabBudget(step_peak=True)
+        strategy = ShardLabStrategy(
+            stage=stage, unit_classes=[Block], sanity_every_n_steps=0, activation_checkpointing=checkpointed
+        )
+        root = f"{directory}/stage{stage}" + ("-checkpointed" if checkpointed else "")
         trainer = L.Trainer(
             accelerator="cpu",
             devices=2,
@@ -82,10 +88,15 @@ def measured_by_stage(stages: list[int], directory: str) -> dict[int, Any]:
             max_steps=2,
             callbacks=[budget],
             default_root_dir=root,
+            enable_checkpointing=False,
             **QUIET,
         )
         trainer.fit(Stack(), DataLoader(data, batch_size=BATCH))
-        out[stage] = budget.reports[trainer.global_rank]["activations_measured"] if budget.reports else None
+        report = budget.reports[trainer.global_rank]
+        out[f"{stage}{'-checkpointed' if checkpointed else ''}"] = {
+            **report["activations_measured"],
+            "step_peak": report["step_peak_measured"],
+        }
     return out
 
 
@@ -93,9 +104,18 @@ def test_saved_activations_by_unit_are_what_autograd_keeps(tmp_path: Path) -> No
     kwargs = {"stages": [2, 3], "directory": str(tmp_path)}
     ranks = run_ranks("tests.test_activations:measured_by_stage", 2, kwargs, timeout=120)
     for rank, by_stage in enumerate(ranks):
+        assert sorted(by_stage) == ["2", "3", "3-checkpointed"], by_stage
         for stage, measured in by_stage.items():
-            assert measured["by_unit"] == expected_by_unit(), (rank, stage, measured)
-            assert measured["total"] == sum(expected_by_unit().values())
-            assert measured["checkpointed"] == []
+            checkpointed = stage.endswith("checkpointed")
+            expected = expected_by_unit(checkpointed)
+            assert measured["by_unit"] == expected, (rank, stage, measured)
+            assert measured["total"] == sum(expected.values())
+            assert measured["checkpointed"] == ([f"blocks.{k}" for k in range(DEPTH)] if checkpointed else [])
+            # the first step, profiled: each phase's peak of live tensors; at the end of forward every saved
+            # activation is alive beside the parameters
+            peaks = measured["step_peak"]
+            assert list(peaks) == ["forward", "backward", "optimizer"], peaks
+            assert peaks["forward"]["peak"] >= measured["total"], peaks
+            assert peaks["forward"]["by_category"].get("activation", 0) > 0, peaks
     for stage in (2, 3):  # rank 0 drew every rank's stacked bar beside the JSON
         assert (tmp_path / f"stage{stage}" / "shardlab_budget.png").stat().st_size > 0

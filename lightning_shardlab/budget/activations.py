@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from lightning_shardlab.sharding.sharded_model import ShardedModel
@@ -68,8 +69,11 @@ class UnitStack:
             for module in modules:
                 self.handles.append(module.register_forward_pre_hook(self._enter(name)))
                 self.handles.append(module.register_forward_hook(self._leave))
-        for module in checkpointed:
-            self.handles.append(module.register_forward_pre_hook(lambda m, args: on_enter(self.current, args)))
+        for module in checkpointed:  # torch's checkpoint keeps every tensor argument, keywords and nested ones too
+            hook = module.register_forward_pre_hook(
+                lambda m, args, kwargs: on_enter(self.current, tree_leaves((args, kwargs))), with_kwargs=True
+            )
+            self.handles.append(hook)
 
     def _enter(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -137,7 +141,7 @@ class ActivationMeter:
             self.forward.add(self.stack.current, tensor)
         return tensor
 
-    def _inputs_kept(self, unit: str, args: tuple[Any, ...]) -> None:
+    def _inputs_kept(self, unit: str, args: list[Any]) -> None:
         """A checkpointed module's forward begins: its tensor inputs are what it keeps for backward."""
         if self.forward is not None and torch.is_grad_enabled():
             for arg in args:
@@ -158,7 +162,7 @@ def _unpack(tensor: Tensor) -> Tensor:
 def checkpointed_names(sharded: ShardedModel) -> list[str]:
     """The names of the modules that run under activation checkpointing (the ``activation_checkpointing``
     option records them on the sharded model)."""
-    return list(getattr(sharded, "checkpointed", []) or [])
+    return list(sharded.checkpointed)
 
 
 def checkpointed_modules(sharded: ShardedModel) -> list[nn.Module]:

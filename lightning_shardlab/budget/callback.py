@@ -31,6 +31,7 @@ from lightning_shardlab.budget.activations import ActivationMeter
 from lightning_shardlab.budget.bars import write_bars
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, measure_memory
 from lightning_shardlab.budget.report import Measured, Run, rank_report
+from lightning_shardlab.budget.step_peak import StepPeak
 from lightning_shardlab.budget.tables import print_budget
 from lightning_shardlab.budget.tiers import tier_counters
 from lightning_shardlab.comm import collectives
@@ -46,9 +47,14 @@ class ShardLabBudget(L.Callback):
     ``budget.step_end()`` around each optimizer step (its micro-batches included), ``budget.report()`` at the
     end (every rank; rank 0 prints the tables)."""
 
-    def __init__(self, console: Console | None = None, json_name: str = "shardlab_budget.json") -> None:
+    def __init__(
+        self, console: Console | None = None, json_name: str = "shardlab_budget.json", step_peak: bool = False
+    ) -> None:
+        """``step_peak``: profile the first (warm-up) step to measure its peak of tensor memory by phase
+        (budget/step_peak.py; on CPU through torch's memory profiler, which slows that step)."""
         self.console = console or Console()
         self.json_name = json_name
+        self.measure_step_peak = step_peak
         self.last: dict[str, float] = {}
         self.totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # by (kind, label)
         self.step_seconds = 0.0
@@ -65,6 +71,8 @@ class ShardLabBudget(L.Callback):
         self.storage_io = [0.0, 0.0, 0.0]
         self.reports: list[dict[str, Any]] | None = None  # every rank's figures, once fit (or report()) ends
         self.activations: ActivationMeter | None = None  # what each training step saves for backward, by unit
+        self.step_peak: StepPeak | None = None  # the first step's peak by phase, while it runs
+        self.peaks: dict[str, dict[str, Any]] = {}
 
     # ---- a Fabric loop ----
 
@@ -141,7 +149,19 @@ class ShardLabBudget(L.Callback):
         self._io_before = tier_counters(run.sharded)
         if self.activations is not None:
             self.activations.start()
+        first = not self.peaks and not self._warmed_up and self.step_peak is None  # the warm-up: left out of timing
+        if self.measure_step_peak and first:
+            self.step_peak = StepPeak(run.sharded.comm.device)
+            self.step_peak.start("step" if run is self.fabric_run else "forward")
         self._started = time.perf_counter()
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if self.step_peak is not None:
+            self.step_peak.phase("backward")
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if self.step_peak is not None:
+            self.step_peak.phase("optimizer")
 
     @staticmethod
     def _comm_totals(ledger: Any) -> tuple[float, float]:
@@ -157,6 +177,9 @@ class ShardLabBudget(L.Callback):
         seconds = time.perf_counter() - self._started
         if self.activations is not None:
             self.activations.stop()
+        if self.step_peak is not None:
+            self.peaks = self.step_peak.stop()
+            self.step_peak = None
         self.step_seconds += seconds
         io = tier_counters(sharded)
         if io is not None and self._io_before is not None:
@@ -232,4 +255,5 @@ class ShardLabBudget(L.Callback):
         if self.activations is not None:
             self.activations.remove()
             self.activations = None
-        return rank_report(run, Measured(self.last, training, step_seconds, steps, self.storage_io, activations))
+        measured = Measured(self.last, training, step_seconds, steps, self.storage_io, activations, self.peaks)
+        return rank_report(run, measured)

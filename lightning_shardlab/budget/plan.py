@@ -70,8 +70,11 @@ class Plan:
     tier_seconds: float = 0.0  # lower bound for those moves on tier_link
     device_bytes: float = 0.0  # device-resident model state + gathered units at their peak
     device_memory: float | None = None  # --device-memory, bytes
-    fits: bool | None = None
+    fits: bool | None = None  # device_bytes fit; with a traced micro-batch, the step peak (budget/fits.py)
     whole_tensor: dict[str, Any] | None = None  # a whole-tensor optimizer's owners (WholePlan.fields)
+    activations: dict[str, Any] | None = None  # one micro-batch traced (ActivationTrace.fields, + checkpointing)
+    step_peak: dict[str, Any] | None = None  # state + gathered + activations (+ recompute), bytes (fits.PlannedPeak)
+    fit: dict[str, Any] | None = None  # --device-memory with a micro-batch: the verdict, the changes tried
 
     @property
     def model_state(self) -> float:

@@ -22,6 +22,16 @@ backward, so backward gathers inside K ranks.
 the plan then shows what lives in each tier, what moves to and from it per step and the time on
 ``--tier-link``; ``--device-memory`` says whether what stays on the device fits.
 
+``--micro-batch-size B --seq-len T`` (with ``--model`` or ``--config``) traces one micro-batch of the model under
+fake tensors (budget/activation_trace.py: nothing allocated, a 7B-shaped model in seconds) and adds what autograd
+saves for backward, by unit, and the step peak per rank: model state + gathered units + activations (+ the largest
+recomputation with ``--activation-checkpointing``). With ``--device-memory`` it says whether that peak fits and,
+when not, the cheapest change that makes it fit (budget/fits.py: a higher stage, activation checkpointing, a
+smaller micro-batch with gradient accumulation, offload, a larger shard group):
+
+    shardlab plan --model transformers.LlamaForCausalLM --init-args '{"num_hidden_layers": 32}' --world-size 8 \\
+        --micro-batch-size 4 --seq-len 4096 --device-memory 80GB
+
 ``--optimizer muon|adafactor`` plans a whole-tensor optimizer (budget/plan_whole.py): each parameter it steps
 is owned by one rank, which keeps its state; the plan shows the fullest rank's share (about 1/W) and the
 all-to-alls per step. With ``--model`` or ``--config``, Muon steps the parameters of 2+ dimensions inside
@@ -45,6 +55,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from lightning_shardlab.budget.fits import Setting, add_activations
 from lightning_shardlab.budget.local_link import measure_local_link
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES
 from lightning_shardlab.budget.plan import COMPUTE, Plan, plan_model, plan_params
@@ -65,10 +76,12 @@ from lightning_shardlab.core.display import gigabytes, print_table, size
 
 
 def meta_model(class_path: str, init_args: dict[str, Any]) -> torch.nn.Module:
-    """Build the model on the meta device (shapes only), running ``configure_model`` if it has one."""
+    """Build the model on the meta device (shapes only), running ``configure_model`` if it has one. A Hugging Face
+    model class (one with a ``config_class``) is built from its config, the init args being the config's."""
     cls = import_path(class_path, "--model")
+    config_class = getattr(cls, "config_class", None)
     with torch.device("meta"):
-        model = cls(**init_args)
+        model = cls(config_class(**init_args)) if isinstance(config_class, type) else cls(**init_args)
         if hasattr(model, "configure_model"):
             model.configure_model()
     return model
@@ -117,6 +130,8 @@ def print_plan(plan: Plan, console: Console) -> None:
     table.add_row("unsharded (one device)", _gb(plan.unsharded_bytes))
     if plan.gathered_peak:
         table.add_row("gathered units at peak", _gb(plan.gathered_peak))
+    for label, value in activation_rows(plan):
+        table.add_row(label, value)
     hybrid = plan.replicas > 1
     inside = "moved per step in each shard group (full tensors)" if hybrid else "moved per step (full tensors)"
     table.add_row(inside, _gb(traffic.scope_bytes("world", "shard", rings=True)))
@@ -129,7 +144,10 @@ def print_plan(plan: Plan, console: Console) -> None:
         table.add_row("communication >= (both links)", _ms(plan.comm_seconds))
     else:
         table.add_row(f"communication >= ({plan.interconnect})", _ms(plan.comm_seconds))
-    for label, value in [*whole_rows(plan.whole_tensor, plan.world_size), *plan_rows(asdict(plan))]:
+    fields = asdict(plan)
+    if plan.step_peak is not None:  # the verdict is the step peak's (below), not the model state's alone
+        fields["device_memory"] = None
+    for label, value in [*whole_rows(plan.whole_tensor, plan.world_size), *plan_rows(fields)]:
         table.add_row(label, _gb(value) if isinstance(value, float) else value)
     if plan.compute_seconds is not None:
         verdict = "hides behind compute" if plan.comm_seconds <= plan.compute_seconds else "exceeds compute"
@@ -139,6 +157,7 @@ def print_plan(plan: Plan, console: Console) -> None:
     console.print(
         f"{plan.params:,} parameters, stage {plan.stage}, {_grouping(plan)}, {plan.precision}", soft_wrap=True
     )
+    print_fit(plan, console)
     if plan.whole_tensor:
         console.print(
             f"{plan.whole_tensor['recipe']}; each parameter {plan.whole_tensor['optimizer']} steps is stepped whole"
@@ -146,6 +165,54 @@ def print_plan(plan: Plan, console: Console) -> None:
             " pieces (and values, unless the owner holds the parameter whole), one returns the new values.",
             soft_wrap=True,
         )
+
+
+def activation_rows(plan: Plan) -> list[tuple[str, str]]:
+    """(label, text) rows for a traced micro-batch: what it saves, the largest unit, the step peak, the verdict."""
+    acts, peak = plan.activations, plan.step_peak
+    if acts is None or peak is None:
+        return []
+    ckpt = acts["checkpointing"]
+    by_unit = acts["checkpointed_by_unit" if ckpt else "by_unit"]
+    units = {k: v for k, v in by_unit.items() if k != "root"}
+    shape = f"{acts['micro_batch_size']} x {acts['seq_len']}"
+    ckpt_text = f", {len(acts['checkpointed'])} modules checkpointed" if ckpt else ""
+    rows = [(f"activations (micro-batch {shape}{ckpt_text}; traced)", _gb(peak["activations"]))]
+    rows.append(("  of which the root unit", _gb(by_unit.get("root", 0))))
+    if units:
+        largest = max(units, key=units.get)
+        rows.append((f"  the largest unit ({largest}; {len(units)} units)", _gb(units[largest])))
+    if ckpt:
+        rows.append(("recompute peak (largest checkpointed module, in backward)", _gb(peak["recompute"])))
+    rows.append(("step peak per rank", _gb(peak["total"])))
+    if plan.fit is not None:
+        rows.append((f"in {plan.fit['device_memory'] / 1e9:,.0f} GB of device memory", _verdict(plan.fit)))
+    return rows
+
+
+def _verdict(fit: dict[str, Any]) -> str:
+    if fit["fits"]:
+        return "fits"
+    return f"does not fit; cheapest change: {fit['choice']}" if fit["choice"] else "does not fit; no single change fits"
+
+
+def print_fit(plan: Plan, console: Console) -> None:
+    """The step peak as arithmetic, and with --device-memory every change tried, the cheapest that fits marked."""
+    if plan.step_peak is None:
+        return
+    console.print(f"step peak per rank: {plan.step_peak['arithmetic']}", soft_wrap=True)
+    if plan.fit is None or plan.fit["fits"]:
+        return
+    table = Table(title=f"changes that fit the step in {_gb(plan.fit['device_memory'])} (cheapest first)")
+    for col in ("change", "step peak", "fits", "added per step >=", "cost"):
+        table.add_column(col, justify="left" if col in ("change", "cost") else "right")
+    ordered = sorted(plan.fit["candidates"], key=lambda c: (not c["fits"], c["added_seconds"]))
+    for c in ordered:
+        mark = " (chosen)" if c["name"] == plan.fit["choice"] else ""
+        table.add_row(
+            c["name"] + mark, _gb(c["peak"]["total"]), "yes" if c["fits"] else "no", _ms(c["added_seconds"]), c["cost"]
+        )
+    print_table(console, table)
 
 
 def whole_rows(whole: dict[str, Any] | None, world_size: int) -> list[tuple[str, float | str]]:
@@ -211,7 +278,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation assumed for compute (default 0.4)")
     p.add_argument("--offload", choices=("none", "cpu", "disk"), help="masters and optimizer state on host or disk")
     p.add_argument("--tier-link", choices=tuple(LINKS), help="the link to the offload tier (default nvme / pcie5)")
-    p.add_argument("--device-memory", type=gigabytes, help="e.g. 80GB: does the model state fit on one device?")
+    p.add_argument(
+        "--device-memory",
+        type=gigabytes,
+        help="e.g. 80GB: does the model state fit on one device? With --micro-batch-size, the step's peak, and if"
+        " not the cheapest change that makes it fit",
+    )
+    p.add_argument("--micro-batch-size", type=int, metavar="B", help="trace one micro-batch of B sequences per rank")
+    p.add_argument("--seq-len", type=int, metavar="T", help="tokens per sequence of the traced micro-batch")
+    p.add_argument(
+        "--activation-checkpointing", action="store_true", help="plan with every unit's modules checkpointed"
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -231,14 +308,31 @@ def _strategy_options(strategy: dict[str, Any], args: argparse.Namespace) -> Sha
         "shard_group_size": args.shard_group_size,
         "reshard_after_forward": args.reshard_after_forward,
         "offload": args.offload,
+        "activation_checkpointing": True if args.activation_checkpointing else None,
     }
     strategy = {**strategy, **{k: v for k, v in given.items() if v is not None}}
     fields = ShardLabConfig.__dataclass_fields__
     return ShardLabConfig(**{k: v for k, v in strategy.items() if k in fields})
 
 
+def _check_micro_batch(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the option unless --micro-batch-size and --seq-len come together, with a model."""
+    traced = (args.micro_batch_size, args.seq_len)
+    if args.activation_checkpointing and args.micro_batch_size is None:
+        raise ValueError("--activation-checkpointing plans activations. HINT: add --micro-batch-size and --seq-len.")
+    if any(v is not None for v in traced) and any(v is None for v in traced):
+        raise ValueError("--micro-batch-size and --seq-len go together. HINT: give both, e.g. 4 and 2048.")
+    if any(v is not None and v < 1 for v in traced):
+        raise ValueError(f"--micro-batch-size and --seq-len must be >= 1, not {traced}.")
+    if args.micro_batch_size is not None and args.params is not None:
+        raise ValueError(
+            "--micro-batch-size traces the model's own forward: a parameter count has none. HINT: --model or --config."
+        )
+
+
 def make_plan(args: argparse.Namespace) -> Plan:
     """The plan the command line asks for. Raises ``ValueError`` naming the option on a bad one."""
+    _check_micro_batch(args)
     intra, inter = _links(args)
     if args.params is not None:
         config = _strategy_options({"stage": 3}, args)
@@ -252,11 +346,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
         class_path, init_args, strategy, precision = (
             from_yaml(args.config) if args.config else (args.model, json.loads(args.init_args), {}, None)
         )
+        model, config = meta_model(class_path, init_args), _strategy_options(strategy, args)
+        precision = args.precision or precision or "bf16-mixed"
         plan = plan_model(
-            meta_model(class_path, init_args),
-            _strategy_options(strategy, args),
+            model,
+            config,
             args.world_size,
-            args.precision or precision or "bf16-mixed",
+            precision,
             args.optimizer,
             intra,
             class_path,
@@ -265,6 +361,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
             tier_link=args.tier_link,
             device_memory=args.device_memory,
         )
+        if args.micro_batch_size is not None:
+            setting = Setting(
+                model, config, args.world_size, precision, args.optimizer, intra, inter, class_path,
+                args.micro_batch_size, args.seq_len, args.ranks_per_node, args.tier_link, args.device or "h100",
+                args.mfu,
+            )  # fmt: skip
+            plan = add_activations(plan, setting, args.device_memory)
     if args.tokens_per_step and args.device:
         per_rank_tokens = args.tokens_per_step / args.world_size
         plan.compute_seconds = 6 * plan.params * per_rank_tokens / (DEVICES[args.device] * args.mfu)

@@ -74,6 +74,7 @@ class Measured:
     steps: int
     storage_io: list[float]  # bytes read, bytes written, seconds in offloaded steps (all steps together)
     activations: dict[str, Any]  # saved for backward at the peak forward, by unit (budget/activations.py)
+    step_peak: dict[str, dict[str, Any]]  # the first step's peak of tensor memory by phase (budget/step_peak.py)
 
 
 def rank_report(run: Run, measured: Measured) -> dict[str, Any]:
@@ -127,6 +128,7 @@ def rank_report(run: Run, measured: Measured) -> dict[str, Any]:
         "comm_share_of_step": sum(c["seconds"] for c in comm.values()) / max(step_seconds, 1e-12),
         "whole_tensor": whole["optimizers"],
         "activations_measured": measured.activations,
+        "step_peak_measured": measured.step_peak,
         **tier_report(sharded, run.optimizers, optimizer),
         "storage_io_per_step": dict(
             zip(("read", "written", "offload_seconds"), (v / steps for v in measured.storage_io))

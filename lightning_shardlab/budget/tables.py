@@ -33,6 +33,8 @@ def print_budget(console: Console, everyone: list[dict[str, Any]]) -> None:
         print_table(console, whole_tensor_table(everyone))
     if any(r.get("activations_measured") for r in everyone):
         print_table(console, activations_table(everyone))
+    if any(r.get("step_peak_measured") for r in everyone):
+        print_table(console, step_peak_table(everyone))
 
 
 def memory_table(everyone: list[dict[str, Any]]) -> Table:
@@ -182,4 +184,21 @@ def activations_table(everyone: list[dict[str, Any]]) -> Table:
             shown or "-",
             str(len(act.get("checkpointed", []))),
         )
+    return table
+
+
+def step_peak_table(everyone: list[dict[str, Any]]) -> Table:
+    """Per rank and phase of one step: the largest total of live tensors, and what it was made of."""
+    table = Table(
+        title="shardlab budget: the step's peak of tensor memory by phase (the first step), MiB measured",
+        caption="made of: the categories torch's memory profiler gives each allocation on CPU (the engine's flat"
+        " buffers and collective staging count as input or other); on a GPU the allocator's peak, without categories",
+    )
+    for col in ("rank", "phase", "peak", "made of"):
+        table.add_column(col, justify="right")
+    for r in everyone:
+        for phase, figures in (r.get("step_peak_measured") or {}).items():
+            parts = sorted(figures["by_category"].items(), key=lambda item: -item[1])
+            made = ", ".join(f"{name} {mib(nbytes)}" for name, nbytes in parts) or "-"
+            table.add_row(str(r["rank"]), phase, mib(figures["peak"]), made)
     return table

@@ -15,8 +15,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import enum
+import functools
 import inspect
+import operator
 import textwrap
+import types
 import typing
 from typing import Any
 
@@ -50,16 +53,25 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def _accepted(field: dataclasses.Field, hints: dict[str, Any]) -> tuple[Any, Any]:
     """The type and default a front door shows for ``field``: an enum as its values, a tuple of classes as
-    ``None`` or classes / import paths / a list of them, anything else as declared."""
+    ``None`` or classes / import paths / a list of them (also inside a union: ``activation_checkpointing``),
+    anything else as declared."""
     kind, default = hints[field.name], field.default
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         values = tuple(member.value for member in kind)
         return typing.Literal[values], default.value  # type: ignore[valid-type]
     if typing.get_origin(kind) is tuple:
-        (cls,) = typing.get_args(typing.get_args(kind)[0])  # tuple[type[X], ...] -> X
-        one = type[cls] | str  # type: ignore[valid-type]
-        return list[one] | one | None, None
+        return _classes_accepted(kind), None
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        members = [_classes_accepted(k) if typing.get_origin(k) is tuple else k for k in typing.get_args(kind)]
+        return functools.reduce(operator.or_, members), default
     return kind, default
+
+
+def _classes_accepted(kind: Any) -> Any:
+    """``tuple[type[X], ...]`` as a front door takes it: a class, an import path, a list of them, or None."""
+    (cls,) = typing.get_args(typing.get_args(kind)[0])  # tuple[type[X], ...] -> X
+    one = type[cls] | str  # type: ignore[valid-type]
+    return list[one] | one | None
 
 
 def _options() -> list[tuple[str, type, str, dataclasses.Field]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 
@@ -83,6 +84,26 @@ def class_path(cls: type) -> str:
 # ---- option checks: every option of every public class is checked by one of these, before anything runs ----
 
 
+CHECKPOINTING_ALLOWED = (
+    "Allowed values: False or None (off), True (every unit but the root), a module class, an import path or a list"
+    " of them (e.g. [Block] or ['my_model.Block']), or a callable fn(module) -> bool."
+)
+
+
+def _checkpointing_choice(value: object) -> bool | tuple[type[nn.Module], ...] | Callable[[nn.Module], bool]:
+    """``activation_checkpointing`` held as False, True, a tuple of module classes, or a callable."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, (str, type, list, tuple, set, frozenset)):
+        try:
+            return class_list("activation_checkpointing", value, nn.Module) or False
+        except ValueError as error:
+            raise ValueError(f"{error} {CHECKPOINTING_ALLOWED}") from None
+    if callable(value):
+        return value
+    raise ValueError(f"`activation_checkpointing={value!r}` is invalid. {CHECKPOINTING_ALLOWED}")
+
+
 def _choice(option: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"`{option}={value!r}` is invalid. Allowed values: {', '.join(map(repr, allowed))}.")
@@ -137,6 +158,14 @@ class ShardLabConfig:
     """Stage 3: free gathered parameters after forward (False = torch's SHARD_GRAD_OP: keep them for backward);
     an int k: keep them sharded over k consecutive ranks (k divides the shard group size), so the backward
     all-gather stays inside those k ranks (torch FSDP2's int, ZeRO++'s hpZ)."""
+
+    activation_checkpointing: bool | tuple[type[nn.Module], ...] | Callable[[nn.Module], bool] | None = False
+    """Recompute chosen modules' forward in backward instead of keeping what autograd saves inside them
+    (torch's non-reentrant checkpoint, applied to each module's forward in place: its class and names stay).
+    False or None: off. True: every unit but the root. Module classes, import paths (YAML) or a mix, held as
+    classes: every module of those classes (as Lightning's FSDP takes ``activation_checkpointing_policy={Block}``).
+    A callable ``fn(module) -> bool``: every module it accepts. Modules a Hugging Face model already checkpoints
+    (``gradient_checkpointing_enable()``) are left to it, with a warning."""
 
     shard_group_size: int | str | None = None
     """Hybrid sharding: ranks split into consecutive groups of this size, each sharding the model (stage 1, 2
@@ -244,6 +273,7 @@ class ShardLabConfig:
                 " HINT: use state_dict_type='sharded' (the default), and `shardlab consolidate` for one file later."
             )
         self._check_groups()
+        object.__setattr__(self, "activation_checkpointing", _checkpointing_choice(self.activation_checkpointing))
         object.__setattr__(self, "unit_classes", class_list("unit_classes", self.unit_classes, nn.Module))
         optimizers = class_list("elementwise_optimizers", self.elementwise_optimizers, torch.optim.Optimizer)
         object.__setattr__(self, "elementwise_optimizers", optimizers)

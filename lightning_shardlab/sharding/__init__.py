@@ -13,6 +13,7 @@ In the order a step meets them:
     unused_params.py    the ranks' agreement on which parameters got gradients
     divergent_units.py  what a collective mismatch between units means, and the fix
     build.py            ``shard_model``: a module made into units of flat parameters, in place
+    checkpointing.py    activation checkpointing: the chosen modules' forward recomputed in backward
     sharded_model.py    ``ShardedModel``: the units of one module, a step, the refresh after it
     lookup.py           ``sharded_model_of(trainer)``: how the callbacks find it
     placeholders.py     a stage-3 parameter at rest: its shape answers, every read of its values raises

@@ -4,7 +4,8 @@ Every rank calls it (it communicates). 1. choose the units and lay out their fla
 group's size (sharding/policy.py)  2. check every rank built the same layout  3. time the transports on the
 biggest flat parameter  4. give every rank rank 0's initial values (meta modules are built unit by unit:
 sharding/materialize.py)  5. give each parameter its stub (stage 3) or its view of the full buffer (stages 1-2),
-install the hooks. The runtime it returns, ``ShardedModel``, lives in sharding/sharded_model.py.
+install the hooks  6. run the modules ``activation_checkpointing`` chooses under checkpoint
+(sharding/checkpointing.py). The runtime it returns, ``ShardedModel``, lives in sharding/sharded_model.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.comm.mesh import Mesh
 from lightning_shardlab.comm.transport_probe import PROBE_NUMEL, choose_transports
 from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
-from lightning_shardlab.sharding import hooks
+from lightning_shardlab.sharding import checkpointing, hooks
 from lightning_shardlab.sharding.flat_param import FlatParam, FlatParamLayout, stub
 from lightning_shardlab.sharding.materialize import has_meta, materialize
 from lightning_shardlab.sharding.placeholders import refuse_placeholders
@@ -63,6 +64,9 @@ def shard_model(
     unit_paths, groups = plan.choice.paths, plan.groups
     if plan.choice.declined and world.rank == 0:
         warn_declined(module, plan.choice.declined)
+    # before any collective: a choice refused is refused on every rank (each computes the same)
+    members = {m: path for path in unit_paths if path and groups[path] for m in plan.choice.modules_of(path)}
+    chosen = checkpointing.chosen_modules(module, config.activation_checkpointing, members, warn=world.rank == 0)
     check_same_layout(module, plan.uses, plan.owners, world)
     flat = {
         path: [
@@ -105,6 +109,7 @@ def shard_model(
     sharded = ShardedModel(module, units, config, mesh, policy)
     for unit in units:
         hooks.install(sharded, unit)
+    sharded.checkpointed = checkpointing.apply(module, chosen)
     module.register_state_dict_post_hook(refuse_placeholders)
     _SHARDED[module] = weakref.ref(sharded)
     return sharded

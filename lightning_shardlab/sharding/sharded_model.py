@@ -52,6 +52,9 @@ class ShardedModel:
         self.offload: OffloadTier | None = None  # where masters and optimizer state live when offloaded (offload/)
         # called with (unit, flat param, flat grad) for each reduction, before the grads are averaged
         self.grad_observers: list[Callable[[Unit, FlatParam, Tensor], None]] = []
+        # the modules (names in module.named_modules()) whose forward runs under activation checkpointing
+        # (sharding/checkpointing.py; the ``activation_checkpointing`` option), in the model's order
+        self.checkpointed: list[str] = []
         self._sync = True  # reduce gradients in this backward (False inside no_sync())
         self._show = True  # show reduced gradients to the optimizer (False inside accumulating())
         self._root_held = False  # the strategy keeps the root gathered for a whole step

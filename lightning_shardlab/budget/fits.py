@@ -1,0 +1,275 @@
+"""Does one step fit on the device, and if not, the cheapest change that makes it fit (``shardlab plan
+--micro-batch-size B --seq-len T --device-memory 80GB``).
+
+The step's peak per rank is arithmetic on planned and traced sizes: the model state the device keeps (the plan's
+layout, budget/plan.py) + the gathered units at their peak (stage 3) + what one micro-batch saves for backward
+(traced under fake tensors, budget/activation_trace.py), + with activation checkpointing the largest checkpointed
+module's recomputation (live while its backward runs). Each candidate change is planned and traced the same way:
+
+1. a higher stage (2: gradients sharded; 3: parameters too, gathered per unit);
+2. ``activation_checkpointing`` (every unit's modules keep only their inputs);
+3. a smaller micro-batch b, with B / b gradient-accumulation steps keeping the global batch (b divides B);
+4. ``offload="cpu"``: masters and optimizer state in host memory;
+5. a larger ``shard_group_size`` (hybrid runs: fewer replicas, more ranks sharing the model).
+
+The chosen one is the change that fits at the least added time per optimizer step, each a lower bound on the
+plan's own links and device: a higher stage adds its extra collectives' time on the links (stage 2 adds none over
+stage 1; stage 3 all-gathers each unit before forward and again before backward); checkpointing adds one more
+forward of the checkpointed modules, 2 FLOPs per parameter per token (about 1/3 of the step's 6 P tokens), at
+``--device``'s peak x ``--mfu`` (default h100, 0.4); a smaller micro-batch adds the collectives repeated per
+micro-batch (stage 3's gathers, the reduce-scatters with ``accumulation="reduce"``) and nothing for compute (the
+same FLOPs; the lower efficiency of small matmuls is not modelled); offload adds the moves to and from the host
+per step on ``--tier-link``; a larger shard group adds its collectives' extra time (on ``--inter`` once the group
+spans nodes). Equal costs keep the order above. When no single change fits, the verdict says so and lists each
+with its peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from lightning_shardlab.budget.activation_trace import ActivationTrace, trace_activations
+from lightning_shardlab.budget.plan import COMPUTE, Plan, link_seconds, plan_model
+from lightning_shardlab.budget.predict import DEVICES, Interconnect, predict_traffic
+from lightning_shardlab.core.config import DTYPES, Accumulation, PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.core.display import size
+from lightning_shardlab.sharding.policy import plan_units
+
+
+def _gb(n: float) -> str:
+    return size(n, decimal=True)
+
+
+@dataclass
+class PlannedPeak:
+    """One rank's bytes at the step's peak: the start of backward (with checkpointing, the first recomputation)."""
+
+    model_state: float  # the model state the device keeps between steps
+    gathered: float  # stage 3: gathered units at their busiest moment
+    activations: float  # saved for backward by one micro-batch
+    recompute: float = 0.0  # with checkpointing: the largest module's recomputation
+
+    @property
+    def total(self) -> float:
+        return self.model_state + self.gathered + self.activations + self.recompute
+
+    def arithmetic(self) -> str:
+        """'12.3 GB state + 4.1 GB gathered + 20.2 GB activations (+ 1.1 GB recompute) = 37.7 GB'."""
+        text = f"{_gb(self.model_state)} state + {_gb(self.gathered)} gathered + {_gb(self.activations)} activations"
+        if self.recompute:
+            text += f" + {_gb(self.recompute)} recompute"
+        return f"{text} = {_gb(self.total)}"
+
+
+def step_peak(plan: Plan, trace: ActivationTrace, checkpointing: bool) -> PlannedPeak:
+    """The plan's device-resident state and gathered peak, with the traced micro-batch on top."""
+    return PlannedPeak(
+        model_state=plan.device_bytes - plan.gathered_peak,
+        gathered=float(plan.gathered_peak),
+        activations=float(trace.saved(checkpointing)),
+        recompute=float(trace.recompute_peak if checkpointing else 0),
+    )
+
+
+@dataclass
+class Change:
+    """One candidate: what to set, the step peak it gives, and what it costs per optimizer step."""
+
+    name: str  # e.g. "stage 3", "activation_checkpointing", "micro-batch 2 x 4 accumulation steps"
+    options: dict[str, Any]  # the strategy options / Trainer arguments to set
+    peak: PlannedPeak
+    fits: bool
+    added_seconds: float  # lower bound per optimizer step
+    cost: str  # the added work, in words
+
+    def fields(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "peak": {**dataclasses.asdict(self.peak), "total": self.peak.total}}
+
+
+@dataclass
+class Setting:
+    """What a model's plan was made from, so that a change is planned (and traced) the same way."""
+
+    model: nn.Module
+    config: ShardLabConfig
+    world_size: int
+    precision: str
+    optimizer: str
+    link: Interconnect
+    inter: Interconnect
+    source: str
+    micro_batch_size: int
+    seq_len: int
+    per_node: int | None = None
+    tier_link: str | None = None
+    device: str = "h100"  # for the recomputation's time
+    mfu: float = 0.4
+    traces: dict[int, ActivationTrace] = field(default_factory=dict)
+
+    @property
+    def checkpointing(self) -> bool:
+        return bool(getattr(self.config, "activation_checkpointing", False))
+
+    def plan(self, device_memory: float | None = None, **changes: Any) -> Plan:
+        """The plan with ``changes`` to the strategy options; a shard group larger than a node runs on ``inter``."""
+        config = dataclasses.replace(self.config, **changes)
+        group, _ = config.group_sizes(self.world_size, self.per_node or self.world_size)
+        link = self.inter if group > (self.per_node or self.world_size) else self.link
+        return plan_model(
+            self.model, config, self.world_size, self.precision, self.optimizer, link, self.source,
+            inter=self.inter, per_node=self.per_node, tier_link=self.tier_link, device_memory=device_memory,
+        )  # fmt: skip
+
+    def trace(self, micro_batch_size: int | None = None) -> ActivationTrace:
+        """One micro-batch of ``micro_batch_size`` (default: the plan's) traced; each size once."""
+        b = micro_batch_size or self.micro_batch_size
+        if b not in self.traces:
+            self.traces[b] = trace_activations(self.model, b, self.seq_len, self.precision, config=self.config)
+        return self.traces[b]
+
+    def accumulation_seconds(self, plan: Plan, steps: int) -> float:
+        """What ``steps`` micro-batches per optimizer step add over one on the plan's links: the collectives
+        repeated per micro-batch (stage 3's gathers; the reductions with accumulation='reduce')."""
+        group, reshard, replicas = plan.shard_group_size, plan.reshard_size, plan.replicas
+        units = plan_units(self.model, self.config, group).layouts()
+        policy = PrecisionPolicy(
+            COMPUTE[self.precision], DTYPES[self.config.reduce_dtype] if self.config.reduce_dtype else None
+        )
+        link = self.inter if group > (self.per_node or self.world_size) else self.link
+
+        def seconds(micro: int) -> float:
+            traffic = predict_traffic(
+                units, self.config.stage, policy, micro_batches=micro,
+                reduce_every_micro_batch=self.config.accumulation is Accumulation.REDUCE,
+                reshard_after_forward=self.config.reshard_after_forward, replicas=replicas, reshard_size=reshard,
+            )  # fmt: skip
+            return sum(link_seconds(traffic, group, reshard, replicas, link, self.inter).values())
+
+        return seconds(steps) - seconds(1)
+
+    def recompute_seconds(self, trace: ActivationTrace, micro_batch_size: int) -> float:
+        """One more forward of the checkpointed modules: 2 FLOPs per parameter per token of the micro-batch."""
+        params = {id(p): p.numel() for name in trace.checkpointed for p in self.model.get_submodule(name).parameters()}
+        return 2 * sum(params.values()) * micro_batch_size * self.seq_len / (DEVICES[self.device] * self.mfu)
+
+
+@dataclass
+class Verdict:
+    device_memory: float
+    peak: PlannedPeak
+    fits: bool
+    candidates: list[Change]  # every change tried, in the order of the rule (the cheapest that fits is chosen)
+    choice: Change | None  # the cheapest change that fits; None when the step fits already, or nothing fits
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "device_memory": self.device_memory,
+            "step_peak": self.peak.total,
+            "fits": self.fits,
+            "choice": self.choice.name if self.choice else None,
+            "candidates": [c.fields() for c in self.candidates],
+        }
+
+
+def _moved(before: Plan, after: Plan) -> float:
+    return (
+        after.traffic["all_gather_bytes"]
+        + after.traffic["reduce_scatter_bytes"]
+        - (before.traffic["all_gather_bytes"] + before.traffic["reduce_scatter_bytes"])
+    )
+
+
+def candidates(setting: Setting, plan: Plan, device_memory: float) -> list[Change]:
+    """Every single change of the rule that lowers this plan's step peak, with that peak and its added cost (see
+    above); of the smaller micro-batches and larger shard groups, the first that fits (else the last)."""
+    checkpointing, b = setting.checkpointing, setting.micro_batch_size
+    trace = setting.trace()
+    now = step_peak(plan, trace, checkpointing).total
+    out: list[Change] = []
+
+    def add(name: str, options: dict, peak: PlannedPeak, seconds: float, cost: str) -> None:
+        if peak.total < now:  # a change that does not lower the peak is no candidate
+            out.append(Change(name, options, peak, peak.total <= device_memory, max(seconds, 0.0), cost))
+
+    for stage in range(plan.stage + 1, 4):
+        other = setting.plan(stage=Stage(stage))
+        add(
+            f"stage {stage}", {"stage": stage}, step_peak(other, trace, checkpointing),
+            other.comm_seconds - plan.comm_seconds,
+            f"{_gb(max(_moved(plan, other), 0))} more moved per step" if _moved(plan, other) > 0 else "no more traffic",
+        )  # fmt: skip
+    if not checkpointing and trace.checkpointed:
+        add(
+            "activation_checkpointing", {"activation_checkpointing": True}, step_peak(plan, trace, True),
+            setting.recompute_seconds(trace, b),
+            f"recompute: one more forward of {len(trace.checkpointed)} modules (~1/3 of their forward + backward"
+            f" FLOPs; {setting.device} at {setting.mfu:.0%} MFU)",
+        )  # fmt: skip
+    divisors = [d for d in range(b - 1, 0, -1) if b % d == 0]
+    for i, smaller in enumerate(divisors):
+        peak = step_peak(plan, setting.trace(smaller), checkpointing)
+        if peak.total <= device_memory or i == len(divisors) - 1:
+            steps = b // smaller
+            add(
+                f"micro-batch {smaller} x {steps} accumulation steps",
+                {"micro_batch_size": smaller, "accumulate_grad_batches": steps}, peak,
+                setting.accumulation_seconds(plan, steps),
+                f"{steps - 1} more micro-batch{'es' if steps > 2 else ''} per step: collectives repeated,"
+                " the same FLOPs",
+            )  # fmt: skip
+            break
+    if plan.offload == "none" and plan.whole_tensor is None:
+        other = setting.plan(offload="cpu")
+        add(
+            "offload cpu", {"offload": "cpu"}, step_peak(other, trace, checkpointing),
+            other.tier_seconds + other.comm_seconds - plan.comm_seconds,
+            f"{_gb(other.tier_moves['down'] + other.tier_moves['up'])} to and from the host per step"
+            f" ({other.tier_link})",
+        )  # fmt: skip
+    group = plan.shard_group_size
+    larger = [g for g in range(group + 1, setting.world_size + 1) if setting.world_size % g == 0 and g % group == 0]
+    for i, g in enumerate(larger):
+        try:
+            other = setting.plan(shard_group_size=g if g < setting.world_size else None)
+        except ValueError:  # reshard_after_forward=k does not divide it
+            continue
+        peak = step_peak(other, trace, checkpointing)
+        if peak.total <= device_memory or i == len(larger) - 1:
+            add(
+                f"shard_group_size {g}", {"shard_group_size": g if g < setting.world_size else None}, peak,
+                other.comm_seconds - plan.comm_seconds,
+                f"{setting.world_size // g} shard groups of {g} ranks: collectives over more ranks",
+            )  # fmt: skip
+            break
+    return out
+
+
+def verdict(setting: Setting, plan: Plan, device_memory: float) -> Verdict:
+    """Whether the plan's step peak fits in ``device_memory`` bytes; when not, the cheapest single change that
+    fits (the rule above), every change tried listed with its peak and cost."""
+    peak = step_peak(plan, setting.trace(), setting.checkpointing)
+    if peak.total <= device_memory:
+        return Verdict(device_memory, peak, True, [], None)
+    tried = candidates(setting, plan, device_memory)
+    fitting = [c for c in tried if c.fits]
+    choice = min(fitting, key=lambda c: c.added_seconds) if fitting else None  # min keeps the first of equals
+    return Verdict(device_memory, peak, False, tried, choice)
+
+
+def add_activations(plan: Plan, setting: Setting, device_memory: float | None) -> Plan:
+    """The plan with the traced micro-batch, the step peak and, given ``device_memory``, the verdict (``fits`` is
+    then the step peak's)."""
+    trace = setting.trace()
+    checkpointing = setting.checkpointing
+    peak = step_peak(plan, trace, checkpointing)
+    plan.activations = {**trace.fields(), "checkpointing": checkpointing}
+    plan.step_peak = {**dataclasses.asdict(peak), "total": peak.total, "arithmetic": peak.arithmetic()}
+    if device_memory is not None:
+        judged = verdict(setting, plan, device_memory)
+        plan.fit = judged.fields()
+        plan.fits = judged.fits
+    return plan

@@ -1,0 +1,305 @@
+"""Activations planned without running: the fake-tensor trace (budget/activation_trace.py) against a real CPU
+forward counted the same way, the 7B-shaped plan with nothing allocated, and ``--device-memory`` verdicts."""
+
+from __future__ import annotations
+
+import functools
+import json
+import resource
+import time
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+from lightning_shardlab.budget import plan_command
+from lightning_shardlab.budget.activation_trace import trace_activations, unit_members
+from lightning_shardlab.core.config import ShardLabConfig
+from lightning_shardlab.examples.gpt import GPT
+from lightning_shardlab.sharding.checkpointing import chosen_modules
+from lightning_shardlab.sharding.policy import choose_units
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = ShardLabConfig(unit_bucket_params=0)  # a unit per block, as a model of big blocks gets by default
+GPT_ARGS = {"vocab_size": 61, "block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 32}
+LLAMA_ARGS = {
+    "vocab_size": 61, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 64,
+}  # fmt: skip
+
+
+def build(kind: str) -> nn.Module:
+    if kind == "gpt":
+        return GPT(**GPT_ARGS)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_ARGS))
+
+
+def real_loss(kind: str, model: nn.Module, ids: Tensor, targets: Tensor) -> Tensor:
+    if kind == "gpt":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # self.log() without a Trainer
+            return model.training_step((ids, targets), 0)
+    return model(input_ids=ids, labels=targets).loss
+
+
+# ---- the reference: a real forward on real tensors, counted by a pack hook written here ----
+
+
+def measure(kind: str, batch: int, seq: int, checkpointing: bool, precision: str = "32-true") -> dict[str, Any]:
+    """Bytes saved for backward by unit in a real CPU forward (each storage once, parameters left out, charged to
+    the innermost running unit); with ``checkpointing`` each chosen module runs under torch's non-reentrant
+    checkpoint and its tensor inputs are counted as what it keeps. Also each checkpointed module's own saves
+    less its inputs (what its recomputation adds), from the plain run."""
+    torch.manual_seed(0)
+    model = build(kind)
+    if precision == "bf16-mixed":  # the gathered compute copies are bf16; buffers keep their dtype
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    choice = choose_units(model, CONFIG)
+    names = chosen_modules(model, True, unit_members(choice), warn=False)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    running: list[str] = []
+    by_unit: dict[str, int] = {}
+    seen: set[int] = set()
+    inside: list[tuple[str, set[int], dict[str, int]]] = []
+    recompute: dict[str, int] = {}
+
+    def count(unit: str, t: Tensor, seen: set[int], into: dict[str, int]) -> None:
+        key = t.untyped_storage()._cdata
+        if key not in seen and key not in params:
+            seen.add(key)
+            into[unit] = into.get(unit, 0) + t.untyped_storage().nbytes()
+
+    def pack(t: Tensor) -> Tensor:
+        unit = running[-1] if running else "root"
+        count(unit, t, seen, by_unit)
+        if inside:
+            count("own", t, inside[-1][1], inside[-1][2])
+        return t
+
+    def push(path: str) -> Any:
+        return lambda module, args: running.append(path)  # returns None: the inputs stay
+
+    def pop(module: nn.Module, args: Any, output: Any) -> None:
+        running.pop()
+
+    handles = []
+    for path in choice.paths[1:]:
+        for member in choice.modules_of(path):
+            module = model.get_submodule(member)
+            handles.append(module.register_forward_pre_hook(push(path)))
+            handles.append(module.register_forward_hook(pop))
+
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        if checkpointing:
+            for t in inputs:
+                count(running[-1], t, seen, by_unit)
+        else:
+            inside.append((running[-1], {t.untyped_storage()._cdata for t in inputs}, {}))
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if not checkpointing:
+            unit, _, own = inside.pop()
+            recompute[unit] = max(recompute.get(unit, 0), own.get("own", 0))
+
+    for name in names:
+        module = model.get_submodule(name)
+        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(module.register_forward_hook(leave))
+        if checkpointing:
+            forward = module.forward
+            module.forward = functools.partial(torch.utils.checkpoint.checkpoint, forward, use_reentrant=False)
+    vocab = GPT_ARGS["vocab_size"]
+    ids, targets = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed", cache_enabled=False)
+    with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = real_loss(kind, model, ids, targets)
+    loss.backward()  # the checkpointed run recomputes: it must work on real tensors
+    for h in handles:
+        h.remove()
+    return {"by_unit": by_unit, "total": sum(by_unit.values()), "recompute_peak": max(recompute.values(), default=0)}
+
+
+CASES = [(kind, b, t) for kind in ("gpt", "llama") for b in (1, 3) for t in (16, 48)]
+
+
+def meta(kind: str) -> nn.Module:
+    with torch.device("meta"):
+        return build(kind)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize(("kind", "batch", "seq"), CASES)
+def test_traced_activations_match_a_real_forward_counted_the_same_way(
+    kind: str, batch: int, seq: int, checkpointing: bool
+) -> None:
+    traced = trace_activations(meta(kind), batch, seq, "32-true", config=CONFIG)
+    real = measure(kind, batch, seq, checkpointing)
+    predicted = traced.checkpointed_by_unit if checkpointing else traced.by_unit
+    print(f"\n{kind} B={batch} T={seq} {'checkpointed' if checkpointing else 'plain'}: unit measured / predicted")
+    for unit, value in predicted.items():
+        print(f"  {unit:16} {real['by_unit'].get(unit, 0):>8} / {value:>8}")
+    assert set(real["by_unit"]) <= set(predicted)
+    for unit, value in predicted.items():
+        assert value == pytest.approx(real["by_unit"].get(unit, 0), rel=0.10), unit
+    assert traced.saved(checkpointing) == pytest.approx(real["total"], rel=0.10)
+    if not checkpointing:
+        assert traced.recompute_peak == pytest.approx(real["recompute_peak"], rel=0.10)
+        assert traced.checkpointed_total < traced.total  # checkpointing keeps less
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_traced_activations_under_bf16_mixed_match_a_real_autocast_forward(kind: str) -> None:
+    traced = trace_activations(meta(kind), 2, 32, "bf16-mixed", config=CONFIG)
+    real = measure(kind, 2, 32, False, "bf16-mixed")
+    for unit, value in traced.by_unit.items():
+        assert value == pytest.approx(real["by_unit"].get(unit, 0), rel=0.10), unit
+    assert traced.total < trace_activations(meta(kind), 2, 32, "32-true", config=CONFIG).total
+
+
+def test_the_trace_puts_the_models_own_tensors_back() -> None:
+    model = meta("gpt")
+    before = {name: p for name, p in model.named_parameters()}
+    trace_activations(model, 1, 8, "bf16-mixed", config=CONFIG)
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    assert model.lm_head.weight is model.wte.weight and model.wte.weight.is_meta
+
+
+# ---- the plan: a 7B-shaped model with nothing allocated, and --device-memory verdicts ----
+
+LLAMA_7B = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
+}  # fmt: skip
+
+
+def plan(*argv: str) -> Any:
+    return plan_command.make_plan(plan_command.parser().parse_args(list(argv)))
+
+
+def test_a_7b_shaped_llama_plans_its_activations_in_seconds_with_nothing_allocated() -> None:
+    began = time.perf_counter()
+    planned = plan(
+        "--model", "transformers.LlamaForCausalLM", "--init-args", json.dumps(LLAMA_7B), "--world-size", "8",
+        "--micro-batch-size", "2", "--seq-len", "4096", "--device-memory", "80GB",
+    )  # fmt: skip
+    seconds = time.perf_counter() - began
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    acts = planned.activations
+    assert 6.5e9 < planned.params < 7e9 and len(acts["by_unit"]) == 33  # the root and 32 layers
+    assert acts["total"] > 20e9 and acts["checkpointed_total"] < acts["total"] / 10  # tens of GB traced ...
+    assert maxrss < 2e9, f"max RSS {maxrss / 1e9:.2f} GB"  # ... none of it allocated
+    assert seconds < 60, seconds  # a few seconds on a laptop; shared cores leave room
+    peak = planned.step_peak
+    assert peak["total"] == peak["model_state"] + peak["gathered"] + acts["total"]
+    assert peak["model_state"] + peak["gathered"] == planned.device_bytes
+    assert planned.fits is (peak["total"] <= 80e9) and planned.fit["fits"] is planned.fits
+
+
+GPT_SMALL = json.dumps({"vocab_size": 512, "block_size": 256, "n_layer": 8, "n_head": 4, "n_embd": 256})
+
+
+def gpt_plan(*extra: str) -> Any:
+    """A 6M-parameter GPT (four units of two blocks) on 8 ranks, sequences of 256 tokens."""
+    base = ("--model", "lightning_shardlab.examples.gpt.GPT", "--init-args", GPT_SMALL, "--world-size", "8")
+    return plan(*base, "--seq-len", "256", *extra)
+
+
+def applied(options: dict[str, Any], argv: tuple[str, ...]) -> list[str]:
+    """``argv`` with a change's options set."""
+    pairs = [a for a in argv if a != "--activation-checkpointing"]
+    out, given = [], dict(zip(pairs[::2], pairs[1::2]))
+    given.update({f"--{k.replace('_', '-')}": str(v) for k, v in options.items() if k in ("stage", "micro_batch_size")})
+    given.update({"--offload": options["offload"]} if "offload" in options else {})
+    if "shard_group_size" in options:
+        given.pop("--shard-group-size", None)
+        given.update({"--shard-group-size": str(options["shard_group_size"])} if options["shard_group_size"] else {})
+    for key, value in given.items():
+        out += [key, value]
+    return out + (["--activation-checkpointing"] if options.get("activation_checkpointing") or ckpt(argv) else [])
+
+
+def ckpt(argv: tuple[str, ...]) -> bool:
+    return "--activation-checkpointing" in argv
+
+
+def memory(nbytes: float) -> tuple[str, str]:
+    return "--device-memory", f"{nbytes:.0f}B"
+
+
+@pytest.mark.parametrize(
+    "argv", [("--stage", "3", "--micro-batch-size", "1"), ("--stage", "1", "--micro-batch-size", "8")]
+)
+def test_device_memory_fits_exactly_when_the_arithmetic_says_so(argv: tuple[str, ...]) -> None:
+    peak = gpt_plan(*argv).step_peak
+    assert peak["total"] == peak["model_state"] + peak["gathered"] + peak["activations"]
+    assert gpt_plan(*argv, *memory(peak["total"])).fits is True
+    short = gpt_plan(*argv, *memory(peak["total"] - 1))
+    assert short.fits is False and short.fit["step_peak"] == peak["total"]
+
+
+SETTINGS = [
+    ("--stage", "1", "--micro-batch-size", "1", "--activation-checkpointing", "--precision", "32-true"),
+    ("--stage", "1", "--micro-batch-size", "8"),
+    ("--stage", "3", "--micro-batch-size", "1"),
+    ("--stage", "3", "--micro-batch-size", "4", "--activation-checkpointing"),
+    ("--stage", "2", "--micro-batch-size", "2", "--shard-group-size", "2"),
+]
+
+
+@pytest.mark.parametrize("argv", SETTINGS)
+def test_the_cheapest_change_that_fits_is_chosen_and_its_own_plan_fits(argv: tuple[str, ...]) -> None:
+    """At each candidate's own peak as the device memory: the choice fits, no fitting change costs less, and the
+    plan with the choice applied has the step peak the verdict computed for it."""
+    tried = gpt_plan(*argv, *memory(1)).fit["candidates"]  # nothing fits 1 byte: every candidate's peak
+    assert tried
+    chosen = set()
+    for limit in sorted({c["peak"]["total"] for c in tried}):
+        fit = gpt_plan(*argv, *memory(limit)).fit
+        choice = next(c for c in fit["candidates"] if c["name"] == fit["choice"])
+        chosen.add(choice["name"].split(" ")[0])
+        assert choice["fits"] and choice["peak"]["total"] <= limit
+        assert all(c["added_seconds"] >= choice["added_seconds"] for c in fit["candidates"] if c["fits"])
+        again = gpt_plan(*applied(choice["options"], argv), *memory(limit))
+        assert again.fits and again.step_peak["total"] == pytest.approx(choice["peak"]["total"]), choice
+    print(argv, [(c["name"], c["peak"]["total"], c["added_seconds"]) for c in tried], "chosen:", chosen)
+
+
+def test_each_kind_of_change_can_be_the_cheapest() -> None:
+    """Over the settings above every kind of change is chosen somewhere (the rule is exercised, not one answer)."""
+    kinds = set()
+    for argv in SETTINGS:
+        for c in gpt_plan(*argv, *memory(1)).fit["candidates"]:
+            fit = gpt_plan(*argv, *memory(c["peak"]["total"])).fit
+            kinds.add(fit["choice"].split(" ")[0])
+    assert {"stage", "activation_checkpointing", "micro-batch", "offload", "shard_group_size"} <= kinds, kinds
+
+
+def test_nothing_fits_says_so_and_the_step_peak_is_the_arithmetic() -> None:
+    judged = gpt_plan("--stage", "3", "--micro-batch-size", "2", "--activation-checkpointing", "--device-memory", "1MB")
+    assert judged.fits is False and judged.fit["choice"] is None and judged.fit["candidates"]
+    peak, acts = judged.step_peak, judged.activations
+    assert acts["checkpointing"] and peak["activations"] == acts["checkpointed_total"] > 0
+    assert peak["recompute"] == acts["recompute_peak"] > 0
+    assert peak["total"] == judged.device_bytes + acts["checkpointed_total"] + acts["recompute_peak"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--params", "1e9", "--micro-batch-size", "2", "--seq-len", "8"),
+        ("--model", "lightning_shardlab.examples.gpt.GPT", "--micro-batch-size", "2"),
+        ("--model", "lightning_shardlab.examples.gpt.GPT", "--activation-checkpointing"),
+        ("--model", "lightning_shardlab.examples.gpt.GPT", "--micro-batch-size", "1", "--seq-len", "4096"),
+    ],
+)
+def test_bad_micro_batch_options_name_the_fix(argv: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError, match="HINT"):
+        plan(*argv, "--world-size", "2")
