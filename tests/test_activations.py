@@ -9,7 +9,8 @@ local batch of B rows of width w:
     blocks.k   its ReLU's output only: its Linear's input is blocks.k-1's ReLU output, counted there once
 
 Parameters (the units' gathered views) are model state and never counted. The budget's figure must be exactly
-that, at stages 2 and 3.
+that, at stages 2 and 3 and with every block checkpointed, measured on the run and predicted by tracing its first
+batch under fake tensors.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def measured_by_stage(stages: list[int], directory: str) -> dict[str, Any]:
         out[f"{stage}{'-checkpointed' if checkpointed else ''}"] = {
             **report["activations_measured"],
             "step_peak": report["step_peak_measured"],
+            "predicted": report["activations_predicted"],
         }
     return out
 
@@ -110,6 +112,8 @@ def test_saved_activations_by_unit_are_what_autograd_keeps(tmp_path: Path) -> No
             expected = expected_by_unit(checkpointed)
             assert measured["by_unit"] == expected, (rank, stage, measured)
             assert measured["total"] == sum(expected.values())
+            # the budget's prediction: the first batch traced under fake tensors, nothing run for real
+            assert measured["predicted"]["by_unit"] == expected, (rank, stage, measured["predicted"])
             assert measured["checkpointed"] == ([f"blocks.{k}" for k in range(DEPTH)] if checkpointed else [])
             # the first step, profiled: each phase's peak of live tensors; at the end of forward every saved
             # activation is alive beside the parameters

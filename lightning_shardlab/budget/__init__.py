@@ -5,6 +5,7 @@ measure.py       the bytes this rank holds right now, read from its tensors (tra
 tiers.py         offload: the bytes in each tier (device, host, disk) and what moves between them per step
 whole_tensor.py  whole-tensor optimizers (Muon, Adafactor): owned state and the owners' exchanges, predicted
 activations.py   what autograd saves for backward in a training step, by unit, measured
+activation_prediction.py  the same for the run, predicted: its first batch traced through a meta copy
 activation_trace.py  the same, predicted: one micro-batch traced under fake tensors, with and without checkpointing
 report.py        one rank's figures at the end of a run, measured beside predicted
 tables.py        rank 0's tables of every rank's report

@@ -215,6 +215,7 @@ class _Ledgers:
         self.running: list[str] = []  # the units whose forward runs, innermost last
         self.inside: list[tuple[str, SavedBytes]] = []  # the outermost checkpointed module running, its count
         self.handles: list[Any] = []
+        self.held: list[Tensor] = []  # every tensor packed, until the trace ends
         for path in choice.paths[1:]:
             for member in choice.modules_of(path):
                 module = model.get_submodule(member)
@@ -252,21 +253,26 @@ class _Ledgers:
         if not self.inside:
             self.recompute[unit] = max(self.recompute.get(unit, 0), own.total)
 
-    def pack(self, tensor: Tensor) -> Tensor:
+    def pack(self, tensor: Tensor) -> None:
+        """Count ``tensor``, and hold it here until the trace ends (so no storage is freed and its identity reused
+        while storages are being told apart), not in autograd's node: no backward follows a trace, and a tensor
+        packed there would hold its own graph in a cycle through autograd's nodes that Python cannot collect."""
+        self.held.append(tensor)
         self.plain.add(self.current, tensor)
         if self.inside:
             self.inside[-1][1].add(self.current, tensor)
         else:
             self.kept.add(self.current, tensor)
-        return tensor
+        return None
 
     def remove(self) -> None:
+        self.held.clear()
         for handle in self.handles:
             handle.remove()
 
 
-def _unpack(tensor: Tensor) -> Tensor:
-    return tensor
+def _unpack(packed: None) -> Tensor:
+    raise RuntimeError("a traced forward has no backward: fake tensors are counted, not kept")
 
 
 def unit_members(choice: UnitChoice) -> dict[str, str]:

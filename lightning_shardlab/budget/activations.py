@@ -137,9 +137,12 @@ class ActivationMeter:
         self.stack.remove()
 
     def _pack(self, tensor: Tensor) -> Tensor:
+        """Count ``tensor``; autograd keeps a detached alias of it (the same storage and version counter): the
+        tensor itself would hold its own graph in a cycle that a forward never followed by backward would leak
+        (torch's note on pack hooks), and backward, double backward included, computes the same from the alias."""
         if self.forward is not None:
             self.forward.add(self.stack.current, tensor)
-        return tensor
+        return tensor.detach()
 
     def _inputs_kept(self, unit: str, args: list[Any]) -> None:
         """A checkpointed module's forward begins: its tensor inputs are what it keeps for backward."""

@@ -25,8 +25,10 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from rich.console import Console
 
+from lightning_shardlab.budget.activation_prediction import meta_clone, predict_for_batch
 from lightning_shardlab.budget.activations import ActivationMeter
 from lightning_shardlab.budget.bars import write_bars
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, measure_memory
@@ -72,6 +74,8 @@ class ShardLabBudget(L.Callback):
         self.reports: list[dict[str, Any]] | None = None  # every rank's figures, once fit (or report()) ends
         self.activations: ActivationMeter | None = None  # what each training step saves for backward, by unit
         self.step_peak: StepPeak | None = None  # the first step's peak by phase, while it runs
+        self._clone: torch.nn.Module | None = None  # the module on the meta device, taken before sharding
+        self.predicted_activations: dict[str, Any] = {}  # its first batch traced (budget/activation_prediction.py)
         self.peaks: dict[str, dict[str, Any]] = {}
 
     # ---- a Fabric loop ----
@@ -102,6 +106,15 @@ class ShardLabBudget(L.Callback):
         return self._finish(self.fabric_run)
 
     # ---- every step ----
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Before the strategy shards the module: a meta-device copy of it, to predict activations from."""
+        if stage != "fit":
+            return
+        if is_overridden("configure_model", pl_module):
+            self.predicted_activations = {"error": "the model is built in configure_model, after this hook"}
+            return
+        self._clone = meta_clone(pl_module)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         run = Run.of_trainer(trainer)
@@ -138,10 +151,14 @@ class ShardLabBudget(L.Callback):
             out[key] = (t.count - v[0], t.bytes - v[1], t.seconds - v[2])
         return out
 
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *args: Any) -> None:
         run = Run.of_trainer(trainer)
-        if run is not None:
-            self._batch_start(run)
+        if run is None:
+            return
+        if self._clone is not None:  # the first batch: traced under fake tensors, before it runs
+            self.predicted_activations = predict_for_batch(self._clone, batch, run.sharded.config, run.precision)
+            self._clone = None
+        self._batch_start(run)
 
     def _batch_start(self, run: Run) -> None:
         run.sharded.comm.ledger.reset_peak()
@@ -256,4 +273,4 @@ class ShardLabBudget(L.Callback):
             self.activations.remove()
             self.activations = None
         measured = Measured(self.last, training, step_seconds, steps, self.storage_io, activations, self.peaks)
-        return rank_report(run, measured)
+        return {**rank_report(run, measured), "activations_predicted": self.predicted_activations}

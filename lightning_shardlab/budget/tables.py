@@ -162,11 +162,12 @@ def activations_table(everyone: list[dict[str, Any]]) -> Table:
     """Per rank: the bytes autograd saved for backward in the largest forward of a step, by unit (each storage
     once), beside the model state it adds to (budget/activations.py)."""
     table = Table(
-        title="shardlab budget: activations saved for backward at the peak forward, MiB measured (storages counted"
-        " once; parameters and gathered buffers are model state, not counted here)",
+        title="shardlab budget: activations saved for backward at the peak forward, MiB measured (predicted: the"
+        " first batch traced under fake tensors); storages counted once, parameters and gathered buffers are model"
+        " state",
         caption="checkpointed units keep only their inputs; their forward is recomputed in backward",
     )
-    for col in ("rank", "activations", "model state", "root", "units (largest first)", "checkpointed"):
+    for col in ("rank", "activations (predicted)", "model state", "root", "units (largest first)", "checkpointed"):
         table.add_column(col, justify="right")
     for r in everyone:
         act = r.get("activations_measured") or {}
@@ -178,7 +179,7 @@ def activations_table(everyone: list[dict[str, Any]]) -> Table:
         state = sum(v for k, v in r["memory_measured"].items() if k in MEMORY_CATEGORIES and k != "padding")
         table.add_row(
             str(r["rank"]),
-            mib(act.get("total", 0)),
+            f"{mib(act.get('total', 0))} ({_predicted(r)})",
             mib(state),
             mib(act.get("by_unit", {}).get("root", 0)),
             shown or "-",
@@ -202,3 +203,11 @@ def step_peak_table(everyone: list[dict[str, Any]]) -> Table:
             made = ", ".join(f"{name} {mib(nbytes)}" for name, nbytes in parts) or "-"
             table.add_row(str(r["rank"]), phase, mib(figures["peak"]), made)
     return table
+
+
+def _predicted(report: dict[str, Any]) -> str:
+    """The traced prediction of the activations total, or why there is none."""
+    predicted = report.get("activations_predicted") or {}
+    if "total" in predicted:
+        return mib(predicted["total"])
+    return "not traced" if predicted else "-"

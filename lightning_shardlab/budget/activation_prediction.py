@@ -1,0 +1,75 @@
+"""The budget's prediction of activations for the run itself: its first batch traced under fake tensors.
+
+``ShardLabBudget`` sets the measured saved-for-backward bytes (budget/activations.py) beside a prediction made
+without running the model for real (budget/activation_trace.py): before the strategy shards the module
+(Lightning's ``setup`` hook), ``meta_clone`` copies it with every parameter and buffer on the meta device (no
+data copied, no trainer, none of the engine's hooks yet); at the first training batch, that batch — made fake,
+so only its shapes and dtypes matter — goes through the clone's ``training_step`` (or ``forward`` and a loss)
+under ``FakeTensorMode``. Units and checkpointed modules come from the run's own options, so prediction and
+measurement count the same tensors the same way.
+
+A model built in ``configure_model`` has no layers yet when the clone is taken, and a manual-optimisation
+``training_step`` needs its trainer: for those the prediction says why it is missing.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lightning_shardlab.budget.activation_trace import trace_activations
+from lightning_shardlab.core.config import ShardLabConfig
+
+
+def meta_clone(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are on the meta device (nothing of their data is read or
+    copied), without the trainer or Fabric it is attached to."""
+    memo: dict[int, Any] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    for attached in ("_trainer", "_fabric"):
+        value = getattr(module, attached, None)
+        if value is not None:
+            memo[id(value)] = None
+    return copy.deepcopy(module, memo)
+
+
+def predict_for_batch(clone: nn.Module, batch: Any, config: ShardLabConfig, precision: str) -> dict[str, Any]:
+    """The saved-for-backward bytes of ``clone`` on a batch shaped like ``batch``, by unit, as the run keeps them
+    (with its checkpointed modules keeping only their inputs); ``{"error": why}`` when it does not trace."""
+
+    def same_batch(model: nn.Module, micro_batch_size: int, seq_len: int) -> Any:
+        return tree_map(lambda t: torch.empty_like(t, device="cpu") if isinstance(t, torch.Tensor) else t, batch)
+
+    sizes = [t.shape for t in _tensors(batch)]
+    first = sizes[0] if sizes else torch.Size()
+    try:
+        trace = trace_activations(
+            clone,
+            first[0] if len(first) > 0 else 1,
+            first[1] if len(first) > 1 else 1,
+            precision,
+            config=config,
+            make_inputs=same_batch,
+        )
+    except (ValueError, RuntimeError, TypeError) as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+    checkpointing = bool(config.activation_checkpointing)
+    by_unit = trace.checkpointed_by_unit if checkpointing else trace.by_unit
+    return {
+        "by_unit": {name: nbytes for name, nbytes in by_unit.items() if nbytes or name == "root"},
+        "total": trace.saved(checkpointing),
+        "recompute_peak": trace.recompute_peak if checkpointing else 0,
+        "seconds": trace.seconds,
+    }
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    tree_map(lambda t: found.append(t) if isinstance(t, torch.Tensor) else None, batch)
+    return found
