@@ -15,10 +15,12 @@ batch under fake tensors.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -123,3 +125,110 @@ def test_saved_activations_by_unit_are_what_autograd_keeps(tmp_path: Path) -> No
             assert peaks["forward"]["by_category"].get("activation", 0) > 0, peaks
     for stage in (2, 3):  # rank 0 drew every rank's stacked bar beside the JSON
         assert (tmp_path / f"stage{stage}" / "shardlab_budget.png").stat().st_size > 0
+
+
+# ---- a GPT and a Llama at stage 3: activations and the step peak, predicted against measured ----
+
+SHAPES = [(2, 16), (4, 16), (4, 32)]  # (micro-batch, sequence length): each of two values of each
+VOCAB = 61
+
+
+class TinyLlama(L.LightningModule):
+    """A two-layer Hugging Face Llama built from its config (nothing downloaded), trained on its own loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        )  # fmt: skip
+        self.model = transformers.LlamaForCausalLM(config)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return self.model(input_ids=x, labels=y).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def tiny(name: str) -> tuple[L.LightningModule, type[nn.Module]]:
+    """(the model, its block class: one unit each)."""
+    torch.manual_seed(0)
+    if name == "gpt":
+        from lightning_shardlab.examples.gpt import GPT
+        from lightning_shardlab.examples.gpt import Block as GPTBlock
+
+        return GPT(vocab_size=VOCAB, block_size=64, n_layer=2, n_head=4, n_embd=32), GPTBlock
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return TinyLlama(), LlamaDecoderLayer
+
+
+def predicted_and_measured(directory: str) -> list[dict[str, Any]]:
+    """Every configuration of the two models, stage 3, 2 steps each: the budget's report and the plan's step peak
+    (budget/fits.py, the arithmetic ``shardlab plan --micro-batch-size B --seq-len T`` prints)."""
+    from lightning_shardlab.budget.fits import Setting, step_peak
+    from lightning_shardlab.budget.plan import plan_model
+    from lightning_shardlab.budget.predict import INTERCONNECTS
+
+    link = INTERCONNECTS["nvlink"]  # times only: no figure below depends on it
+    out = []
+    for name in ("gpt", "llama"):
+        for b, t in SHAPES:
+            for checkpointing in (False, True):
+                model, block = tiny(name)
+                strategy = ShardLabStrategy(
+                    stage=3, unit_classes=[block], sanity_every_n_steps=0, activation_checkpointing=checkpointing
+                )
+                setting = Setting(tiny(name)[0], strategy.config, 2, "32-true", "adamw", link, link, name, b, t)
+                plan = plan_model(setting.model, strategy.config, 2, "32-true", "adamw", link, name)
+                planned = step_peak(plan, setting.trace(), checkpointing)
+                ids = torch.randint(0, VOCAB, (4 * b, t + 1), generator=torch.Generator().manual_seed(0))
+                budget = ShardLabBudget(step_peak=True)
+                trainer = L.Trainer(
+                    accelerator="cpu", devices=2, strategy=strategy, max_steps=2, callbacks=[budget],
+                    default_root_dir=f"{directory}/{name}-{b}x{t}-{checkpointing}", enable_checkpointing=False,
+                    **QUIET,
+                )  # fmt: skip
+                trainer.fit(model, DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=b))
+                report = budget.reports[trainer.global_rank]
+                out.append({
+                    "config": f"{name} {b}x{t}{' ckpt' if checkpointing else ''}",
+                    "measured": report["activations_measured"],
+                    "predicted": report["activations_predicted"],
+                    "peaks": {phase: v["peak"] for phase, v in report["step_peak_measured"].items()},
+                    "planned": {**dataclasses.asdict(planned), "total": planned.total},
+                    "optimizer_state": plan.memory_per_rank["optimizer_state"],
+                    "room": strategy.sharded.comm.wire.limit,
+                })  # fmt: skip
+    return out
+
+
+def test_gpt_and_llama_activations_and_step_peak_against_the_plan(tmp_path: Path) -> None:
+    """(1) The activations the budget predicts (the first batch traced) are what the run saves, by unit, in every
+    configuration: exactly, not only within 10 %.
+
+    (2) The plan's step peak (fits.py: state + gathered + activations (+ recompute)) leaves out what the gloo run
+    holds besides: the verified wire's receive rooms (comm/wire.py: every receive posted with room for
+    ``limit`` = max(the largest shard's bytes, 1 MiB) bytes, so 1 MiB here against a model of ~0.23 MB of state):
+    one all-gather's scratch room live through forward and backward, and a reduce-scatter's beside it in
+    backward. At these sizes the two rooms (2 MiB) dwarf the model, so the measured peak is 2.8-6.5 x the plan's,
+    not within 10 %; the difference lies between one room and two (it also counts the AdamW state the plan keeps
+    and the first, profiled step does not have yet, and the activations already freed when the rooms are live).
+    The rooms are a CPU/gloo artefact (NCCL runs post none), so the plan, made for a GPU, leaves them out."""
+    pytest.importorskip("transformers")
+    ranks = run_ranks("tests.test_activations:predicted_and_measured", 2, {"directory": str(tmp_path)}, timeout=120)
+    for rank, configs in enumerate(ranks):
+        assert len(configs) == 2 * len(SHAPES) * 2
+        for c in configs:
+            measured, predicted = c["measured"], c["predicted"]
+            assert predicted["by_unit"] == measured["by_unit"], (rank, c["config"], predicted, measured)
+            assert len(measured["by_unit"]) == 3, c  # root and two blocks: units as asked
+            if c["config"].endswith("ckpt"):  # every block checkpointed: their inputs kept, and a recompute planned
+                assert len(measured["checkpointed"]) == 2 and c["planned"]["recompute"] > 0, c
+            planned, peak, room = c["planned"], max(c["peaks"].values()), c["room"]
+            assert planned["activations"] == predicted["total"], c  # the plan's trace is the budget's
+            assert planned["total"] + room < peak < planned["total"] + 2 * room, (rank, c)
