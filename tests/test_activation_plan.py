@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import resource
-import time
 import warnings
 from typing import Any
 
@@ -184,19 +183,16 @@ def plan(*argv: str) -> Any:
     return plan_command.make_plan(plan_command.parser().parse_args(list(argv)))
 
 
-def test_a_7b_shaped_llama_plans_its_activations_in_seconds_with_nothing_allocated() -> None:
-    began = time.perf_counter()
+def test_a_7b_shaped_llama_plans_its_activations_with_nothing_allocated() -> None:
     planned = plan(
         "--model", "transformers.LlamaForCausalLM", "--init-args", json.dumps(LLAMA_7B), "--world-size", "8",
         "--micro-batch-size", "2", "--seq-len", "4096", "--device-memory", "80GB",
     )  # fmt: skip
-    seconds = time.perf_counter() - began
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     acts = planned.activations
     assert 6.5e9 < planned.params < 7e9 and len(acts["by_unit"]) == 33  # the root and 32 layers
     assert acts["total"] > 20e9 and acts["checkpointed_total"] < acts["total"] / 10  # tens of GB traced ...
     assert maxrss < 2e9, f"max RSS {maxrss / 1e9:.2f} GB"  # ... none of it allocated
-    assert seconds < 60, seconds  # a few seconds on a laptop; shared cores leave room
     peak = planned.step_peak
     assert peak["total"] == peak["model_state"] + peak["gathered"] + acts["total"]
     assert peak["model_state"] + peak["gathered"] == planned.device_bytes
