@@ -19,6 +19,7 @@ In the order a step meets them:
     placeholders.py     a stage-3 parameter at rest: its shape answers, every read of its values raises
     optimizer.py        ``Sharded<Class>``: the user's optimizer over the module's parameters, stepping the
                         master shards; the global gradient norm
+    stand_ins.py        the engine's tensors in an optimizer's param groups for one update, state beside them
     owners.py           whole-tensor optimizers (Muon, Adafactor): each parameter's owner rank, its pieces
     whole_step.py       their step: gather whole parameters on the owners, update, return the pieces
     gathered.py         full weights between steps for the user (``gathered_params``)

@@ -39,6 +39,7 @@ from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.core.config import class_path
 from lightning_shardlab.sharding.sharded_model import ShardedModel
+from lightning_shardlab.sharding.stand_ins import standing_in
 from lightning_shardlab.sharding.whole_step import plan_of, state_placeholder, whole_tensors_in_place
 
 ELEMENTWISE: tuple[type[Optimizer], ...] = (
@@ -272,26 +273,8 @@ def _sharded_methods(cls: type[Optimizer], sharded: ShardedModel, whole: bool) -
 def masters_in_place(optimizer: Optimizer, sharded: ShardedModel) -> Iterator[None]:
     """For the block: ``optimizer``'s param groups hold the master views of their original params, and its
     state is keyed by them (what the class's own update reads and writes); then both go back."""
-    masters = sharded.masters_by_id()
-    originals: dict[int, Tensor] = {}
-    for group in optimizer.param_groups:
-        swapped = []
-        for p in group["params"]:
-            m = masters.get(id(p), p)
-            originals[id(m)] = p
-            if p in optimizer.state:
-                optimizer.state[m] = optimizer.state.pop(p)
-            swapped.append(m)
-        group["params"] = swapped
-    try:
+    with standing_in(optimizer, sharded.masters_by_id()):
         yield
-    finally:
-        for group in optimizer.param_groups:  # load_state_dict makes new group dicts: map them back as they are
-            group["params"] = [originals.get(id(m), m) for m in group["params"]]
-        for m_id, p in originals.items():
-            m = masters.get(id(p))
-            if m is not None and id(m) == m_id and m in optimizer.state:
-                optimizer.state[p] = optimizer.state.pop(m)
 
 
 @contextmanager

@@ -27,6 +27,7 @@ from lightning_shardlab.comm import collectives
 from lightning_shardlab.sharding.flat_param import FlatParam, stub
 from lightning_shardlab.sharding.owners import Geometry, Owned, Piece, assign_owners, exchange_numel, pieces_of
 from lightning_shardlab.sharding.sharded_model import ShardedModel
+from lightning_shardlab.sharding.stand_ins import standing_in
 
 Slot = tuple[FlatParam, int]  # a flat parameter, and the index of the parameter in it
 
@@ -92,7 +93,7 @@ def whole_tensors_in_place(optimizer: Optimizer, sharded: ShardedModel) -> Itera
     for dtype in _dtypes(plan, stepped):
         wholes.update(_gather(plan, sharded, [p for p in stepped if _master_view(plan, p).dtype == dtype]))
     groups = [group["params"] for group in optimizer.param_groups]
-    with _swapped(optimizer, wholes):
+    with standing_in(optimizer, wholes, keep_others=False):  # the parameters this rank does not own: left out
         yield
     for group, params in zip(optimizer.param_groups, groups):
         group["params"] = params
@@ -102,28 +103,6 @@ def whole_tensors_in_place(optimizer: Optimizer, sharded: ShardedModel) -> Itera
 
 def _dtypes(plan: OwnerPlan, params: list[Tensor]) -> list[torch.dtype]:
     return sorted({_master_view(plan, p).dtype for p in params}, key=str)
-
-
-@contextmanager
-def _swapped(optimizer: Optimizer, wholes: dict[int, nn.Parameter]) -> Iterator[None]:
-    originals = {}
-    for group in optimizer.param_groups:
-        kept = []
-        for p in group["params"]:
-            whole = wholes.get(id(p))
-            if whole is not None:
-                originals[id(whole)] = p
-                if p in optimizer.state:
-                    optimizer.state[whole] = optimizer.state.pop(p)
-                kept.append(whole)
-        group["params"] = kept
-    try:
-        yield
-    finally:
-        for p in originals.values():
-            whole = wholes[id(p)]
-            if whole in optimizer.state:
-                optimizer.state[p] = optimizer.state.pop(whole)
 
 
 def _gather(plan: OwnerPlan, sharded: ShardedModel, params: list[Tensor]) -> dict[int, nn.Parameter]:
