@@ -11,6 +11,7 @@ report.py        one rank's figures at the end of a run, measured beside predict
 tables.py        rank 0's tables of every rank's report
 bars.py          every rank's memory as a stacked bar, activations on top (shardlab_budget.png)
 step_peak.py     one step's peak of tensor memory by phase: the allocator (GPU) or torch's memory profiler (CPU)
+step_peak_prediction.py  the same peak predicted for the run: fits.py's arithmetic on its figures + the wire's rooms
 callback.py      ``ShardLabBudget``: measures each step (Trainer hooks, or a Fabric loop) and reports at the end
 plan.py          the same prediction for a run that has not happened: from a parameter count or a model's layout
 plan_whole.py    the plan of a whole-tensor optimizer: owners' state per rank (Muon beside AdamW), exchanges

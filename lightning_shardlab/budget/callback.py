@@ -34,6 +34,7 @@ from lightning_shardlab.budget.bars import write_bars
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, measure_memory
 from lightning_shardlab.budget.report import Measured, Run, rank_report
 from lightning_shardlab.budget.step_peak import StepPeak
+from lightning_shardlab.budget.step_peak_prediction import predict_step_peak, receive_rooms
 from lightning_shardlab.budget.tables import print_budget
 from lightning_shardlab.budget.tiers import tier_counters
 from lightning_shardlab.comm import collectives
@@ -52,8 +53,9 @@ class ShardLabBudget(L.Callback):
     def __init__(
         self, console: Console | None = None, json_name: str = "shardlab_budget.json", step_peak: bool = False
     ) -> None:
-        """``step_peak``: profile the first (warm-up) step to measure its peak of tensor memory by phase
-        (budget/step_peak.py; on CPU through torch's memory profiler, which slows that step)."""
+        """``step_peak``: profile the first step after the warm-up (optimizer state made, prefetch order known) to
+        measure its peak of tensor memory by phase (budget/step_peak.py; on CPU through torch's memory profiler,
+        which slows that step, so it is left out of the timings)."""
         self.console = console or Console()
         self.json_name = json_name
         self.measure_step_peak = step_peak
@@ -73,7 +75,7 @@ class ShardLabBudget(L.Callback):
         self.storage_io = [0.0, 0.0, 0.0]
         self.reports: list[dict[str, Any]] | None = None  # every rank's figures, once fit (or report()) ends
         self.activations: ActivationMeter | None = None  # what each training step saves for backward, by unit
-        self.step_peak: StepPeak | None = None  # the first step's peak by phase, while it runs
+        self.step_peak: StepPeak | None = None  # the profiled step's peak by phase, while it runs
         self._clone: torch.nn.Module | None = None  # the module on the meta device, taken before sharding
         self.predicted_activations: dict[str, Any] = {}  # its first batch traced (budget/activation_prediction.py)
         self.peaks: dict[str, dict[str, Any]] = {}
@@ -166,8 +168,7 @@ class ShardLabBudget(L.Callback):
         self._io_before = tier_counters(run.sharded)
         if self.activations is not None:
             self.activations.start()
-        first = not self.peaks and not self._warmed_up and self.step_peak is None  # the warm-up: left out of timing
-        if self.measure_step_peak and first:
+        if self.measure_step_peak and self._warmed_up and not self.peaks and self.step_peak is None:
             self.step_peak = StepPeak(run.sharded.comm.device)
             self.step_peak.start("step" if run is self.fabric_run else "forward")
         self._started = time.perf_counter()
@@ -194,7 +195,8 @@ class ShardLabBudget(L.Callback):
         seconds = time.perf_counter() - self._started
         if self.activations is not None:
             self.activations.stop()
-        if self.step_peak is not None:
+        profiled = self.step_peak is not None
+        if profiled:
             self.peaks = self.step_peak.stop()
             self.step_peak = None
         self.step_seconds += seconds
@@ -213,8 +215,8 @@ class ShardLabBudget(L.Callback):
         }
         if run.step % run.log_every == 0:
             self._log(run)
-        if run.step == self._first_step + 1 and not self._warmed_up:
-            self._warm_up_done(run, ledger)
+        if (run.step == self._first_step + 1 and not self._warmed_up) or profiled:
+            self._warm_up_done(run, ledger)  # the profiled step ran slower: left out of the timing too
 
     def _warm_up_done(self, run: Run, ledger: Any) -> None:
         """The per-step figures describe the steady state: the first optimizer step (no forward order yet
@@ -273,4 +275,6 @@ class ShardLabBudget(L.Callback):
             self.activations.remove()
             self.activations = None
         measured = Measured(self.last, training, step_seconds, steps, self.storage_io, activations, self.peaks)
-        return {**rank_report(run, measured), "activations_predicted": self.predicted_activations}
+        report = {**rank_report(run, measured), "activations_predicted": self.predicted_activations}
+        report["step_peak_predicted"] = predict_step_peak(report, receive_rooms(run.sharded))
+        return report

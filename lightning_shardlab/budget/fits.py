@@ -52,16 +52,19 @@ class PlannedPeak:
     gathered: float  # stage 3: gathered units at their busiest moment
     activations: float  # saved for backward by one micro-batch
     recompute: float = 0.0  # with checkpointing: the largest module's recomputation
+    transport: float = 0.0  # the verified gloo wire's receive rooms (comm/wire.py); none on NCCL, none in a plan
 
     @property
     def total(self) -> float:
-        return self.model_state + self.gathered + self.activations + self.recompute
+        return self.model_state + self.gathered + self.activations + self.recompute + self.transport
 
     def arithmetic(self) -> str:
         """'12.3 GB state + 4.1 GB gathered + 20.2 GB activations (+ 1.1 GB recompute) = 37.7 GB'."""
         text = f"{_gb(self.model_state)} state + {_gb(self.gathered)} gathered + {_gb(self.activations)} activations"
         if self.recompute:
             text += f" + {_gb(self.recompute)} recompute"
+        if self.transport:
+            text += f" + {_gb(self.transport)} receive rooms"
         return f"{text} = {_gb(self.total)}"
 
 

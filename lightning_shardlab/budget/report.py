@@ -74,7 +74,7 @@ class Measured:
     steps: int
     storage_io: list[float]  # bytes read, bytes written, seconds in offloaded steps (all steps together)
     activations: dict[str, Any]  # saved for backward at the peak forward, by unit (budget/activations.py)
-    step_peak: dict[str, dict[str, Any]]  # the first step's peak of tensor memory by phase (budget/step_peak.py)
+    step_peak: dict[str, dict[str, Any]]  # the first steady step's peak of tensor memory by phase (budget/step_peak.py)
 
 
 def rank_report(run: Run, measured: Measured) -> dict[str, Any]:

@@ -11,8 +11,9 @@ warm-up) ``StepPeak`` measures the largest total of live tensor bytes inside eac
   are ``record_function`` ranges opened and closed from the budget's hooks, and each phase's peak is the
   largest live total between its start and end (tensors alive before the step count from the start).
 
-The profiled step runs slower (the profiler records every op), so it is the warm-up step, whose figures are
-not used for timing, and it is opt-in: ``ShardLabBudget(step_peak=True)``.
+The profiled step runs slower (the profiler records every op), so it is left out of the timings; it is the first
+step after the warm-up (optimizer state made, prefetch order known), and it is opt-in:
+``ShardLabBudget(step_peak=True)``.
 """
 
 from __future__ import annotations

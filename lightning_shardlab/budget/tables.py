@@ -191,9 +191,11 @@ def activations_table(everyone: list[dict[str, Any]]) -> Table:
 def step_peak_table(everyone: list[dict[str, Any]]) -> Table:
     """Per rank and phase of one step: the largest total of live tensors, and what it was made of."""
     table = Table(
-        title="shardlab budget: the step's peak of tensor memory by phase (the first step), MiB measured",
+        title="shardlab budget: the step's peak of tensor memory by phase (the first step after the warm-up), MiB"
+        " measured, and the step's peak predicted",
         caption="made of: the categories torch's memory profiler gives each allocation on CPU (the engine's flat"
-        " buffers and collective staging count as input or other); on a GPU the allocator's peak, without categories",
+        " buffers and collective staging count as input or other); on a GPU the allocator's peak, without"
+        " categories. predicted: state + gathered + activations (+ recompute) (+ the gloo wire's receive rooms)",
     )
     for col in ("rank", "phase", "peak", "made of"):
         table.add_column(col, justify="right")
@@ -202,6 +204,9 @@ def step_peak_table(everyone: list[dict[str, Any]]) -> Table:
             parts = sorted(figures["by_category"].items(), key=lambda item: -item[1])
             made = ", ".join(f"{name} {mib(nbytes)}" for name, nbytes in parts) or "-"
             table.add_row(str(r["rank"]), phase, mib(figures["peak"]), made)
+        predicted = r.get("step_peak_predicted")
+        if predicted:
+            table.add_row(str(r["rank"]), "step (predicted)", mib(predicted["total"]), predicted["arithmetic"])
     return table
 
 

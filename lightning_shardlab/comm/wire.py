@@ -47,7 +47,9 @@ FIRST_TAG = 100  # each wire's one channel, so messages pair up by order alone; 
 _tags = itertools.count(
     FIRST_TAG
 )  # the same process group) takes the next: what a failed run left in flight never pairs up
-MIN_LIMIT = 1 << 20  # bytes: the receive room of small calls (sanity digests, norms, buffers)
+MIN_LIMIT = 4 << 10  # bytes: the receive room of small calls (sanity digests, norms, per-rank figures); anything
+# larger than the largest shard (objects, big buffers) waits for the headers instead, so the room stays what the
+# model needs (the budget counts it in the step's peak, budget/step_peak_prediction.py)
 REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
@@ -110,6 +112,12 @@ class Wire:
         except Exception:
             KEPT_AFTER_FAILURE.append((rest, heads))  # see the note above
             raise
+
+    @property
+    def rooms_at_peak(self) -> int:
+        """Bytes of receive room live at once at a step's busiest moment (backward): a reduce-scatter's room from
+        each peer beside the next unit's all-gather's scratch room, ``world_size`` x ``limit`` at most."""
+        return self.world_size * self.limit if self.world_size > 1 else 0
 
     def _room(self, nbytes: int) -> Tensor:
         """A receive buffer with room for any payload of at most ``limit`` bytes."""
