@@ -15,6 +15,7 @@ from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.core.config import Accumulation, ShardLabConfig, Stage
 from lightning_shardlab.guard.callback import ShardLabSanity
 from lightning_shardlab.guard.sanity_guard import SanityConfig, SanityGuard
+from lightning_shardlab.guard.stop_checkpoint import CheckpointOnStop
 from lightning_shardlab.sharding.build import shard_model
 from lightning_shardlab.sharding.optimizer import shard_optimizer
 from lightning_shardlab.sharding.sharded_model import ShardedModel
@@ -27,6 +28,7 @@ ShardLabStrategy.register_strategies(StrategyRegistry)
 fabric.ShardLabStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
+    "CheckpointOnStop",
     "Accumulation",
     "CheckpointError",
     "Comm",

@@ -191,9 +191,22 @@ def _async_fit(tmp: str, callbacks: list, **kwargs: Any) -> L.Trainer:
     return trainer
 
 
+class CompleteWhen(L.Callback):
+    """Whether epoch 0's checkpoint is complete at the end of each batch of epoch 1 (before epoch 1's save)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.seen: list[bool] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.current_epoch == 1:
+            self.seen.append((Path(self.path) / "COMPLETE").exists())
+
+
 def async_resume(tmp: str) -> dict:
     """Two epochs, saving in the background after each; then a fresh run resumes the first epoch's checkpoint."""
-    whole = _async_fit(tmp, [SaveAtEpochEnd(tmp + "/epoch{epoch}")])
+    watch = CompleteWhen(tmp + "/epoch0")
+    whole = _async_fit(tmp, [SaveAtEpochEnd(tmp + "/epoch{epoch}"), watch])
     final = whole.strategy.full_state_dict()
     resumed = _async_fit(tmp, [], ckpt_path=f"{tmp}/epoch0")
     return {
@@ -201,6 +214,7 @@ def async_resume(tmp: str) -> dict:
         "resumed": resumed.strategy.full_state_dict(),
         "step": resumed.global_step,
         "failure": _failed_background_write(tmp),
+        "epoch0_complete": watch.seen,
     }
 
 
@@ -224,6 +238,9 @@ def test_an_async_checkpoint_resumes_bit_for_bit(tmp_path: Path) -> None:
     out, other = run_ranks("tests.test_checkpoints_at_scale:async_resume", WORLD, {"tmp": str(tmp_path)}, timeout=200)
     assert out["step"] == 2 * STEPS_PER_EPOCH and out["final"].keys() == out["resumed"].keys()
     assert all(torch.equal(out["final"][k], out["resumed"][k]) for k in out["final"])
+    # epoch 0's save was concluded by the first batch that began after every rank had written its files (one
+    # all-reduce per batch while it is in flight), not left to the next save: complete within epoch 1
+    assert any(out["epoch0_complete"]) and out["epoch0_complete"][-1], out["epoch0_complete"]
     for epoch in (0, 1):  # both complete: the end of fit concluded the last one
         assert CheckpointReader.open(tmp_path / f"epoch{epoch}").meta["world_size"] == WORLD
     for failure in (out["failure"], other["failure"]):  # every rank raised the same error, naming rank 1

@@ -1,14 +1,17 @@
 """``async_save=True``: a sharded checkpoint is written while training goes on.
 
-``save_sharded`` agrees on the plan (a collective), copies this rank's shards to host memory and hands the
-writing of its files to a background thread; ``save_checkpoint`` returns. The rest, which is collective
-(every rank's files are written; rank 0 writes trainer_state.pt, metadata.json and, last, COMPLETE, and
-moves the directory into place; every rank learns the outcome), runs on the main thread when the saver
-next *waits*: at the next save, a load, the end of fit or teardown. Every rank waits at the same point, so
-those collectives stay in step, and a failure in any rank's background write is raised there on every rank.
-Until then the checkpoint has no COMPLETE marker and is not in place: a rank killed while writing leaves the
-previous checkpoint of that name as it was. A removal asked for meanwhile (``ModelCheckpoint`` rotating its
-top-k) waits for the save before it: the old checkpoint goes only once the new one is complete.
+``save_sharded`` agrees on the plan (a collective), copies this rank's shards to host memory and hands the writing
+of its files to a background thread; ``save_checkpoint`` returns. The rest, which is collective (every rank's files
+are written; rank 0 writes trainer_state.pt, metadata.json and, last, COMPLETE, and moves the directory into place;
+every rank learns the outcome), runs on the main thread when the saver next *waits*: at the start of the first
+training batch by which every rank's files are written (one small all-reduce per batch while a save is in flight:
+``conclude_if_written``), else at the next save, a load, the end of fit or teardown. So a checkpoint is complete,
+and ``ckpt_path="last"`` finds it, about one step after its files are written, and a rank that dies later does not
+cost the run that checkpoint. Every rank waits at the same point, so those collectives stay in step, and a failure
+in any rank's background write is raised there on every rank. Until then the checkpoint has no COMPLETE marker and
+is not in place: a rank killed while writing leaves the previous checkpoint of that name as it was. A removal asked
+for meanwhile (``ModelCheckpoint`` rotating its top-k) waits for the save before it: the old checkpoint goes only
+once the new one is complete.
 
 Lightning's ``AsyncCheckpointIO`` plugin does the same for files a ``CheckpointIO`` writes (a thread, errors
 at the next save, a wait in teardown); the strategies take that plugin as ``async_save=True``.
@@ -19,6 +22,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from typing import Any
+
+import torch
+
+from lightning_shardlab.comm import collectives
+from lightning_shardlab.comm.collectives import Comm
+
+
+def written_everywhere(comm: Comm) -> Callable[[bool], bool]:
+    """``AsyncSaver.conclude_if_written``'s agreement over ``comm``: one all-reduce (min) of a one-element flag."""
+
+    def agree(mine: bool) -> bool:
+        flag = torch.tensor([int(mine)], dtype=torch.int32, device=comm.device)
+        return bool(collectives.all_reduce(flag, comm, op="min", label="async save written").item())
+
+    return agree
 
 
 class AsyncSaver:
@@ -60,6 +78,12 @@ class AsyncSaver:
         conclude(written)  # raises, on every rank, if any rank's part failed: then nothing is removed
         for fn in after:
             fn()
+
+    def conclude_if_written(self, everyone_done: Callable[[bool], bool]) -> None:
+        """Collective while a save is in flight (every rank calls it at the same point): finish the save if every
+        rank's background write has ended; ``everyone_done(mine)`` is True when it is True on every rank."""
+        if self._thread is not None and everyone_done(not self._thread.is_alive()):
+            self.wait()
 
     def after(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once the save in flight is complete (now, if none is)."""

@@ -27,6 +27,7 @@ from torch import Tensor
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.comm.mesh import Mesh
+from lightning_shardlab.comm.store import open_store
 from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.offload import check_offload, setup_offload
 from lightning_shardlab.sharding.sharded_model import ShardedModel
@@ -109,12 +110,15 @@ class ShardLabDistributed:
         check_offload(self.config, self.root_device)
         reset_seed()
         backend = self.process_group_backend
-        kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.config.timeout_s)}
+        timeout = timedelta(seconds=self.config.timeout_s)
+        kwargs: dict[str, Any] = {"timeout": timeout}
         if backend == "nccl":
             kwargs["device_id"] = self.root_device
         assert self.cluster_environment is not None
         if self.world_size > 1 and not _distributed_is_initialized():
-            _init_process_group(self.cluster_environment, backend, **kwargs)
+            env = self.cluster_environment  # on keys of its own (comm/store.py): torchrun restarts reuse the store
+            kwargs["store"] = open_store(env.main_address, env.main_port, self.global_rank, self.world_size, timeout)
+            _init_process_group(env, backend, **kwargs)
             if backend != "nccl":  # Lightning registers this for NCCL; gloo's threads also need an orderly end
                 atexit.register(_destroy_dist_connection)
         return Comm(rank=self.global_rank, world_size=self.world_size, device=self.root_device)

@@ -10,6 +10,7 @@ default. The guard never imports the strategy. Each piece lives in its own file:
     watchdog.py      hangs, failed and killed ranks: ends the run on every rank with a report (report.py)
     side_channel.py  the rendezvous store as a channel that works while the process group is stuck
     orderly_stop.py  SIGTERM on any rank stops every rank after the same step
+    stop_checkpoint.py  ``CheckpointOnStop``: a complete checkpoint on that stop (not on a crash)
     sanity_guard.py  ``SanityConfig`` and ``SanityGuard``
     callback.py      ``ShardLabSanity``
 

@@ -8,7 +8,10 @@ each talk through a ``SideChannel``: their own namespace of that store and their
 
 Namespaces: ``shardlab/<purpose>/<session>/``. The session is this rank's count of channels opened for
 that purpose, so a second ``Trainer.fit`` in the same process group never reads the first one's keys
-(every rank opens the same channels in the same order, so the counts agree).
+(every rank opens the same channels in the same order, so the counts agree). The counts start again in a
+restarted process, but so does the store's namespace: the process group is opened on a namespace of its
+own torchrun attempt and opening (comm/store.py), and the default store carries it, so a restart never
+meets the dead attempt's sessions, however many channels each of its ranks had opened.
 
 Connections: ``Store.clone()`` opens a new connection to the same store; a client must not be shared by
 two threads (a blocking ``wait`` on one would stall the other), so the watchdog thread gets its own.

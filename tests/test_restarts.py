@@ -1,0 +1,140 @@
+"""Restarts (torchrun on localhost, gloo): a rank dies, torchrun starts the job again, and it resumes from its last
+complete checkpoint by itself, ending on the weights of Lightning DDP's restart of the same run, bit for bit.
+
+Every job is ``lightning_shardlab.examples.resumable`` (the README's recipe): 3 epochs of 4 steps, ``last.ckpt`` at
+each epoch's end; ``--chain`` fits several strategies in the same processes, attempt k hurting the k-th, so that
+one torchrun launch restarts (and resumes) every stage in turn, each a ``trainer.fit`` after another in the same
+processes. DDP's own restart is made by a fresh launch (``RESUMABLE_LAUNCH=1``): under torchrun, torch's process
+group meets the dead attempt's keys in the agent's store (comm/store.py), which is what shardlab's groups avoid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.launch import ROOT, free_port
+
+DIE_AT = 5  # once optimizer step 5 is done: mid-epoch 2, the last complete checkpoint is epoch 1's (step 4)
+
+
+def torchrun(out: Path, *job: str, ranks: int = 2, restarts: int = 0, launch: int = 0, ok: bool = True) -> str:
+    """Run the resumable job under torchrun; its output (asserting it ended as ``ok`` says)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(ranks),
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", str(restarts),
+        "--monitor-interval", "0.2", "-m", "lightning_shardlab.examples.resumable", "--out", str(out), *job,
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "RESUMABLE_LAUNCH": str(launch),
+    }
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert (done.returncode == 0) == ok, f"exit {done.returncode}:\n{output[-6000:]}"
+    return output
+
+
+def diary(out: Path, name: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / name / "attempts.jsonl").read_text().splitlines()]
+
+
+def final(out: Path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(out / name / "final.pt")
+
+
+def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == want.keys(), what
+    differ = {k: (got[k] - want[k]).abs().max().item() for k in want if not torch.equal(got[k], want[k])}
+    assert not differ, f"{what}: {differ}"
+
+
+def rank_order_ddp_2x2() -> Any:
+    """The hybrid layout's DDP reference: gradients averaged in shardlab's order (2 groups of 2)."""
+    from tests.helpers.reference import RankOrderDDP
+
+    return RankOrderDDP(shard_group_size=2)
+
+
+def restarted_reference(out: Path, spec: str, ranks: int, how: str = "exit") -> dict[str, torch.Tensor]:
+    """DDP's restart of the same run: hurt at ``DIE_AT`` on the first launch, then launched again."""
+    job = ("--chain", spec, "--die-at-step", str(DIE_AT), "--die-how", how)
+    torchrun(out, *job, ranks=ranks, ok=False)
+    torchrun(out, *job, ranks=ranks, launch=1)
+    return final(out, spec.replace(":", "-"))
+
+
+@pytest.fixture(scope="module")
+def ddp_restarted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("ddp")
+    weights = restarted_reference(out, "ddp", 2)
+    assert [e["event"] for e in diary(out, "ddp")] == ["start", "hurt (exit)", "start"]
+    assert diary(out, "ddp")[-1]["step"] == 4  # resumed from epoch 1's checkpoint
+    return weights
+
+
+def test_a_killed_rank_restarted_by_torchrun_resumes_at_every_stage(
+    tmp_path: Path, ddp_restarted: dict[str, torch.Tensor]
+) -> None:
+    """Stages 1, 2, 3 in one torchrun launch with 3 restarts: each attempt loses rank 1 at step 5 of one stage; the
+    next resumes it from step 4 (and opens the next stage's groups in the same processes)."""
+    chain = ["shardlab_stage_1", "shardlab_stage_2", "shardlab"]
+    torchrun(tmp_path, "--chain", ",".join(chain), "--die-at-step", str(DIE_AT), restarts=len(chain))
+    for k, name in enumerate(chain):
+        events = diary(tmp_path, name)
+        assert [(e["attempt"], e["event"], e["step"]) for e in events] == [
+            (k, "start", 0), (k, "hurt (exit)", DIE_AT), (k + 1, "start", 4)
+        ], events  # fmt: skip
+        assert_same_weights(final(tmp_path, name), ddp_restarted, name)
+
+
+def test_a_killed_rank_during_an_async_save_resumes_from_the_last_complete_checkpoint(
+    tmp_path: Path, ddp_restarted: dict[str, torch.Tensor]
+) -> None:
+    """Stage 3 with ``async_save``: rank 1 dies just after step 8, while epoch 2's ``last.ckpt`` is still in flight
+    (not complete); the restart resumes from the last complete one, epoch 1's (step 4)."""
+    torchrun(tmp_path, "--chain", "shardlab", "--async-save", "--die-at-step", "8", restarts=1)
+    events = diary(tmp_path, "shardlab")
+    assert [(e["attempt"], e["event"], e["step"]) for e in events] == [
+        (0, "start", 0), (0, "hurt (exit)", 8), (1, "start", 4)
+    ], events  # fmt: skip
+    assert events[1]["save_in_flight"], events
+    assert_same_weights(final(tmp_path, "shardlab"), ddp_restarted, "async")
+
+
+def test_hybrid_2x2_restarted_by_torchrun_resumes(tmp_path: Path) -> None:
+    """4 ranks, 2 shard groups of 2 (stage 3): rank 1 dies at step 5, torchrun restarts the job, it resumes."""
+    reference = restarted_reference(tmp_path / "ddp", "tests.test_restarts:rank_order_ddp_2x2", 4)
+    job = ("--chain", "shardlab", "--shard-group-size", "2", "--die-at-step", str(DIE_AT))
+    torchrun(tmp_path / "hybrid", *job, ranks=4, restarts=1)
+    events = diary(tmp_path / "hybrid", "shardlab")
+    assert [(e["attempt"], e["step"]) for e in events] == [(0, 0), (0, DIE_AT), (1, 4)], events
+    assert_same_weights(final(tmp_path / "hybrid", "shardlab"), reference, "hybrid 2x2")
+
+
+def test_sigterm_to_every_rank_stops_with_a_checkpoint_and_a_fresh_launch_resumes(tmp_path: Path) -> None:
+    """SIGTERM to every rank as step 6 begins (what a preempting scheduler sends): every rank stops after the same
+    step, the one after it (guard/orderly_stop.py: agreed through the store, no collective per step), ``last.ckpt`` is
+    written first and the job exits (0: Lightning's ``SIGTERMException`` is a ``SystemExit``); launched again, it
+    resumes from step 7. DDP, signalled as step 7 begins, stops after it (Lightning's own handling) and resumes the
+    same way: a mid-epoch resume replays what Lightning replays, so both stop after the same step to be one run."""
+    for name, at in (("shardlab_stage_2", DIE_AT), ("ddp", DIE_AT + 1)):
+        job = ("--chain", name, "--die-at-step", str(at), "--die-how", "sigterm")
+        torchrun(tmp_path, *job)
+        assert not (tmp_path / name / "final.pt").exists()
+        torchrun(tmp_path, *job, launch=1)
+        events = diary(tmp_path, name)
+        assert [(e["attempt"], e["event"], e["step"]) for e in events] == [
+            (0, "start", 0), (0, "hurt (sigterm)", at), (1, "start", DIE_AT + 2)
+        ], events  # fmt: skip
+    assert_same_weights(final(tmp_path, "shardlab_stage_2"), final(tmp_path, "ddp"), "after SIGTERM")
