@@ -2,10 +2,12 @@
 complete checkpoint by itself, ending on the weights of Lightning DDP's restart of the same run, bit for bit.
 
 Every job is ``lightning_shardlab.examples.resumable`` (the README's recipe): 3 epochs of 4 steps, ``last.ckpt`` at
-each epoch's end; ``--chain`` fits several strategies in the same processes, attempt k hurting the k-th, so that
+each epoch's end; ``--chain`` fits several strategies in the same processes, each hurt the first time it runs, so that
 one torchrun launch restarts (and resumes) every stage in turn, each a ``trainer.fit`` after another in the same
-processes. DDP's own restart is made by a fresh launch (``RESUMABLE_LAUNCH=1``): under torchrun, torch's process
-group meets the dead attempt's keys in the agent's store (comm/store.py), which is what shardlab's groups avoid.
+processes. DDP's restart is computed in the kept world (the run to epoch 1's checkpoint, then a fresh Trainer
+resuming from it), and checked once against a real one: killed, then launched again (``RESUMABLE_LAUNCH=1``; a
+fresh launch, since under torchrun torch's own process group meets the dead attempt's keys in the agent's store,
+which is what shardlab's groups avoid: comm/store.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.launch import ROOT, free_port
+from tests.helpers.launch import ROOT, free_port, run_ranks
 
 DIE_AT = 5  # once optimizer step 5 is done: mid-epoch 2, the last complete checkpoint is epoch 1's (step 4)
 
@@ -66,21 +68,50 @@ def rank_order_ddp_2x2() -> Any:
     return RankOrderDDP(shard_group_size=2)
 
 
-def restarted_reference(out: Path, spec: str, ranks: int, how: str = "exit") -> dict[str, torch.Tensor]:
-    """DDP's restart of the same run: hurt at ``DIE_AT`` on the first launch, then launched again."""
-    job = ("--chain", spec, "--die-at-step", str(DIE_AT), "--die-how", how)
-    torchrun(out, *job, ranks=ranks, ok=False)
-    torchrun(out, *job, ranks=ranks, launch=1)
-    return final(out, spec.replace(":", "-"))
+def restart_in_process(out: str, spec: str, devices: int) -> dict[str, torch.Tensor] | None:
+    """What DDP's restart after a kill at step 5 computes, in the kept world (no torchrun launch): the run stopped
+    at the same point on every rank (``--die-how raise``: its files are what the killed attempt leaves), then a
+    fresh Trainer resuming from its last checkpoint."""
+    import argparse
+
+    import torch.distributed as dist
+
+    from lightning_shardlab.examples.resumable import Stopped, fit_one
+
+    args = argparse.Namespace(
+        out=out, devices=devices, steps_per_epoch=4, die_at_step=DIE_AT, die_how="raise", async_save=False,
+        shard_group_size=None, epochs=3,
+    )  # fmt: skip
+    with pytest.raises(Stopped):
+        fit_one(spec, args)
+    dist.barrier()
+    fit_one(spec, args)  # hurt once: this one resumes
+    dist.barrier()
+    return final(Path(out), spec.replace(":", "-")) if dist.get_rank() == 0 else None
 
 
 @pytest.fixture(scope="module")
 def ddp_restarted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("ddp")
-    weights = restarted_reference(out, "ddp", 2)
-    assert [e["event"] for e in diary(out, "ddp")] == ["start", "hurt (exit)", "start"]
-    assert diary(out, "ddp")[-1]["step"] == 4  # resumed from epoch 1's checkpoint
+    (weights, _) = run_ranks(
+        "tests.test_restarts:restart_in_process", 2, {"out": str(out), "spec": "ddp", "devices": 2}
+    )
+    events = [(e["event"], e["step"]) for e in diary(out, "ddp")]
+    assert events == [("start", 0), ("hurt (raise)", DIE_AT), ("start", 4)], events  # resumed from epoch 1's
     return weights
+
+
+def test_ddp_restarted_in_process_is_ddp_restarted_by_a_launch(
+    tmp_path: Path, ddp_restarted: dict[str, torch.Tensor]
+) -> None:
+    """The reference above is what a real restart of DDP computes: killed at step 5, launched again."""
+    job = ("--chain", "ddp", "--die-at-step", str(DIE_AT))
+    torchrun(tmp_path, *job, ok=False)
+    torchrun(tmp_path, *job, launch=1)
+    assert [(e["event"], e["step"]) for e in diary(tmp_path, "ddp")] == [
+        ("start", 0), ("hurt (exit)", DIE_AT), ("start", 4)
+    ]  # fmt: skip
+    assert_same_weights(final(tmp_path, "ddp"), ddp_restarted, "DDP restarted by a launch")
 
 
 def test_a_killed_rank_restarted_by_torchrun_resumes_at_every_stage(
@@ -114,7 +145,9 @@ def test_a_killed_rank_during_an_async_save_resumes_from_the_last_complete_check
 
 def test_hybrid_2x2_restarted_by_torchrun_resumes(tmp_path: Path) -> None:
     """4 ranks, 2 shard groups of 2 (stage 3): rank 1 dies at step 5, torchrun restarts the job, it resumes."""
-    reference = restarted_reference(tmp_path / "ddp", "tests.test_restarts:rank_order_ddp_2x2", 4)
+    spec = "tests.test_restarts:rank_order_ddp_2x2"
+    kwargs = {"out": str(tmp_path / "ddp"), "spec": spec, "devices": 4}
+    reference = run_ranks("tests.test_restarts:restart_in_process", 4, kwargs)[0]
     job = ("--chain", "shardlab", "--shard-group-size", "2", "--die-at-step", str(DIE_AT))
     torchrun(tmp_path / "hybrid", *job, ranks=4, restarts=1)
     events = diary(tmp_path / "hybrid", "shardlab")

@@ -13,11 +13,12 @@ marker is written and it is moved into place (checkpoint/atomic.py), so a rank t
 the background too (``async_save``), leaves the previous one in place.
 
 To show it, and for the tests and ``benchmarks/restarts.py``, the job can hurt itself: ``--die-at-step N`` ends it
-once optimizer step N of its first attempt is done (``--die-how exit``: rank 1 leaves at once, as a crashed rank does;
-``sigterm``: every rank is sent SIGTERM, as a preempted job is). ``--chain`` runs several strategies one after
-another in the same processes (``trainer.fit`` again, new groups each time), attempt k hurting the k-th: each
-restart resumes one of them. Each strategy's final weights go to ``OUT/<name>/final.pt`` and what each attempt
-did (the step it resumed from, a save in flight when it died) to ``OUT/<name>/attempts.jsonl``.
+once optimizer step N of its first attempt is done (``--die-how exit``: rank 1 leaves at once, as a crashed rank
+does; ``sigterm``: every rank is sent SIGTERM, as a preempted job is; ``raise``: every rank raises ``Stopped``).
+``--chain`` runs several strategies one after another in the same processes (``trainer.fit`` again, new groups each
+time), each hurt the first time it runs: each restart resumes one of them and hurts the next. Each strategy's final
+weights go to ``OUT/<name>/final.pt`` and what each attempt did (the step it resumed from, a save in flight when it
+died) to ``OUT/<name>/attempts.jsonl``.
 """
 
 from __future__ import annotations
@@ -91,8 +92,14 @@ class Hurt(L.Callback):
         note(self.diary, trainer, event=f"hurt ({self.how})", save_in_flight=bool(saver is not None and saver.pending))
         if self.how == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
+        elif self.how == "raise":
+            raise Stopped(f"stopped once step {self.at} was done")
         elif trainer.global_rank == 1:
             os._exit(1)
+
+
+class Stopped(RuntimeError):
+    """``--die-how raise``: every rank raises at the same point, as a bug in the training code would."""
 
 
 class Diary(L.Callback):
@@ -110,6 +117,11 @@ def note(diary: Path, trainer: L.Trainer, **fields: Any) -> None:
         entry = {"attempt": attempt(), "step": trainer.global_step, "time": time.time(), **fields}
         with diary.open("a") as f:
             f.write(json.dumps(entry) + "\n")
+
+
+def hurt_before(diary: Path) -> bool:
+    """Whether this run was hurt already (each run is hurt once: the restart that resumes it is not)."""
+    return diary.exists() and '"event": "hurt' in diary.read_text()
 
 
 def attempt() -> int:
@@ -132,8 +144,8 @@ def make_strategy(spec: str, async_save: bool, shard_group_size: int | None) -> 
     return ShardLabStrategy(stage=stage, unit_classes=[Block], async_save=async_save, shard_group_size=shard_group_size)
 
 
-def fit_one(index: int, spec: str, args: argparse.Namespace) -> None:
-    """Fit ``spec`` to the end, resuming from its ``last.ckpt``; the ``index``-th attempt hurts itself."""
+def fit_one(spec: str, args: argparse.Namespace) -> None:
+    """Fit ``spec`` to the end, resuming from its ``last.ckpt``; hurt the first time it runs (``--die-at-step``)."""
     out = Path(args.out) / spec.replace(":", "-")
     out.mkdir(parents=True, exist_ok=True)
     if (out / "final.pt").exists():
@@ -144,7 +156,7 @@ def fit_one(index: int, spec: str, args: argparse.Namespace) -> None:
         CheckpointOnStop(dirpath=checkpoints, filename="last"),
         Diary(diary),
     ]
-    if args.die_at_step and attempt() == index:
+    if args.die_at_step and not hurt_before(diary):
         callbacks.append(Hurt(args.die_at_step, args.die_how, diary))
     torch.manual_seed(0)
     trainer = L.Trainer(
@@ -168,13 +180,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps-per-epoch", type=int, default=4)
     parser.add_argument("--die-at-step", type=int, default=0, help="end the first attempt after this step")
-    parser.add_argument("--die-how", choices=("exit", "sigterm"), default="exit")
+    parser.add_argument("--die-how", choices=("exit", "sigterm", "raise"), default="exit")
     parser.add_argument("--async-save", action="store_true", help="shardlab's async_save=True")
     parser.add_argument("--shard-group-size", type=int, default=None, help="hybrid sharding: ranks per shard group")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    for index, spec in enumerate(args.chain.split(",")):
-        fit_one(index, spec, args)
+    for spec in args.chain.split(","):
+        fit_one(spec, args)
 
 
 if __name__ == "__main__":
