@@ -236,5 +236,8 @@ def test_gpt_and_llama_activations_and_step_peak_against_the_plan(tmp_path: Path
             # measured / predicted: 0.894-1.087 over these 12 configurations. The prediction adds up its terms as if
             # all were live at one moment; the real backward reaches the gathered peak after the root's saved
             # tensors are freed (over-predicted by up to 10.6 %, the safe side), and the recomputed block's backward
-            # keeps temporaries (gradients of its insides) the plan does not trace (under by up to 8.7 %)
-            assert 0.89 <= peak / budget["total"] <= 1.10, (rank, c["config"], peak, budget)
+            # keeps temporaries (gradients of its insides) the plan does not trace (under by up to 8.7 %). Which of the
+            # wire's rooms are live at the peak depends on when gloo ends a receive: one more at times (seen: 1 run
+            # in 8, +2.7 %), allowed for above the band
+            ratio, one_room = peak / budget["total"], c["room"] / budget["total"]
+            assert 0.89 <= ratio <= 1.10 + one_room, (rank, c["config"], peak, budget)

@@ -198,9 +198,15 @@ def _check_frozen(trainer: L.Trainer, where: str) -> None:
             assert not any(id(p) in stateful for p in fp.params), f"{fp.layout.name}: {where}"
 
 
+# At 4 ranks, the scenarios whose sharding differs with the world size (shard boundaries and padding, owners of
+# whole tensors, a 2x2 layout, accumulation, two optimizers, an unused branch); the other norms of clipping and the
+# CNN's buffers reduce the same way at any world size, and run at 2 ranks.
+SAME_AT_ANY_WORLD = ("clip_norm_1", "clip_norm_inf", "clip_value", "cnn_batchnorm_sgd_steplr")
+
+
 @pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.quick), 4])
 def test_every_stage_matches_lightning_ddp(world_size: int) -> None:
-    names = list(SCENARIOS)
+    names = [n for n in SCENARIOS if world_size == 2 or n not in SAME_AT_ANY_WORLD]
     reports = run_ranks(
         "tests.test_ddp_parity:ddp_parity",
         world_size,

@@ -303,31 +303,12 @@ def trace_activations(
     steps = (
         [step] if step is not None else [lightning_step, forward_step] if _has_training_step(model) else [forward_step]
     )
-    make_inputs = make_inputs or token_batch
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
     began, modes = time.perf_counter(), {m: m.training for m in model.modules()}
     model.train()  # a training step: dropout keeps its masks
-    errors = []
     try:
-        with fake_parameters(model, mode, precision) as params:
-            for attempt in steps:
-                ledgers = _Ledgers(model, choice, checkpointed, params)
-                try:
-                    with mode, torch.enable_grad(), _compute(precision):
-                        batch = make_inputs(model, micro_batch_size, seq_len)
-                        with torch.autograd.graph.saved_tensors_hooks(ledgers.pack, _unpack):
-                            attempt(model, batch)
-                    break
-                except Exception as err:  # noqa: BLE001 - the next way to run it, or the error below
-                    errors.append(f"{getattr(attempt, '__name__', attempt)}: {type(err).__name__}: {err}")
-                finally:
-                    ledgers.remove()
-            else:
-                raise ValueError(
-                    f"{type(model).__name__} did not run one micro-batch ({micro_batch_size} x {seq_len}) under fake"
-                    f" tensors: {'; '.join(errors)}. HINT: check --seq-len against the model's context; or give"
-                    " trace_activations a make_inputs= and step= for this model."
-                )
+        ledgers, attempt = _first_step_that_runs(
+            model, steps, make_inputs or token_batch, (micro_batch_size, seq_len, precision), choice, checkpointed
+        )
     finally:
         for module, training in modes.items():
             module.training = training
@@ -342,4 +323,37 @@ def trace_activations(
         recompute_by_unit={name: v for name, v in ledgers.recompute.items()},
         checkpointed=checkpointed,
         seconds=time.perf_counter() - began,
+    )
+
+
+def _first_step_that_runs(
+    model: nn.Module,
+    steps: list[Step],
+    make_inputs: MakeInputs,
+    shape: tuple[int, int, str],
+    choice: UnitChoice,
+    checkpointed: list[str],
+) -> tuple[_Ledgers, Step]:
+    """One micro-batch through the first of ``steps`` that runs under fake tensors, counted; ``ValueError`` naming
+    why each failed when none does."""
+    micro_batch_size, seq_len, precision = shape
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    errors = []
+    with fake_parameters(model, mode, precision) as params:
+        for attempt in steps:
+            ledgers = _Ledgers(model, choice, checkpointed, params)
+            try:
+                with mode, torch.enable_grad(), _compute(precision):
+                    batch = make_inputs(model, micro_batch_size, seq_len)
+                    with torch.autograd.graph.saved_tensors_hooks(ledgers.pack, _unpack):
+                        attempt(model, batch)
+                return ledgers, attempt
+            except Exception as err:  # noqa: BLE001 - the next way to run it, or the error below
+                errors.append(f"{getattr(attempt, '__name__', attempt)}: {type(err).__name__}: {err}")
+            finally:
+                ledgers.remove()
+    raise ValueError(
+        f"{type(model).__name__} did not run one micro-batch ({micro_batch_size} x {seq_len}) under fake"
+        f" tensors: {'; '.join(errors)}. HINT: check --seq-len against the model's context; or give"
+        " trace_activations a make_inputs= and step= for this model."
     )

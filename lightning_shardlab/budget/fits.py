@@ -186,69 +186,99 @@ def _moved(before: Plan, after: Plan) -> float:
     )
 
 
+Tried = tuple[str, dict, PlannedPeak, float, str]  # (name, options, step peak, added seconds, cost in words)
+
+
 def candidates(setting: Setting, plan: Plan, device_memory: float) -> list[Change]:
     """Every single change of the rule that lowers this plan's step peak, with that peak and its added cost (see
     above); of the smaller micro-batches and larger shard groups, the first that fits (else the last)."""
-    checkpointing, b = setting.checkpointing, setting.micro_batch_size
     trace = setting.trace()
-    now = step_peak(plan, trace, checkpointing).total
-    out: list[Change] = []
+    now = step_peak(plan, trace, setting.checkpointing).total
+    tried = [
+        *_higher_stages(setting, plan, trace),
+        *_checkpointing(setting, plan, trace),
+        *_smaller_micro_batch(setting, plan, device_memory),
+        *_offload(setting, plan, trace),
+        *_larger_shard_group(setting, plan, trace, device_memory),
+    ]
+    return [
+        Change(name, options, peak, peak.total <= device_memory, max(seconds, 0.0), cost)
+        for name, options, peak, seconds, cost in tried
+        if peak.total < now  # a change that does not lower the peak is no candidate
+    ]
 
-    def add(name: str, options: dict, peak: PlannedPeak, seconds: float, cost: str) -> None:
-        if peak.total < now:  # a change that does not lower the peak is no candidate
-            out.append(Change(name, options, peak, peak.total <= device_memory, max(seconds, 0.0), cost))
 
+def _higher_stages(setting: Setting, plan: Plan, trace: ActivationTrace) -> list[Tried]:
+    out = []
     for stage in range(plan.stage + 1, 4):
         other = setting.plan(stage=Stage(stage))
-        add(
-            f"stage {stage}", {"stage": stage}, step_peak(other, trace, checkpointing),
+        moved = _moved(plan, other)
+        out.append((
+            f"stage {stage}", {"stage": stage}, step_peak(other, trace, setting.checkpointing),
             other.comm_seconds - plan.comm_seconds,
-            f"{_gb(max(_moved(plan, other), 0))} more moved per step" if _moved(plan, other) > 0 else "no more traffic",
-        )  # fmt: skip
-    if not checkpointing and trace.checkpointed:
-        add(
-            "activation_checkpointing", {"activation_checkpointing": True}, step_peak(plan, trace, True),
-            setting.recompute_seconds(trace, b),
-            f"recompute: one more forward of {len(trace.checkpointed)} modules (~1/3 of their forward + backward"
-            f" FLOPs; {setting.device} at {setting.mfu:.0%} MFU)",
-        )  # fmt: skip
+            f"{_gb(max(moved, 0))} more moved per step" if moved > 0 else "no more traffic",
+        ))  # fmt: skip
+    return out
+
+
+def _checkpointing(setting: Setting, plan: Plan, trace: ActivationTrace) -> list[Tried]:
+    if setting.checkpointing or not trace.checkpointed:
+        return []
+    return [(
+        "activation_checkpointing", {"activation_checkpointing": True}, step_peak(plan, trace, True),
+        setting.recompute_seconds(trace, setting.micro_batch_size),
+        f"recompute: one more forward of {len(trace.checkpointed)} modules (~1/3 of their forward + backward"
+        f" FLOPs; {setting.device} at {setting.mfu:.0%} MFU)",
+    )]  # fmt: skip
+
+
+def _smaller_micro_batch(setting: Setting, plan: Plan, device_memory: float) -> list[Tried]:
+    """The largest divisor of the micro-batch whose step fits (else the smallest), with the accumulation that keeps
+    the global batch."""
+    b = setting.micro_batch_size
     divisors = [d for d in range(b - 1, 0, -1) if b % d == 0]
     for i, smaller in enumerate(divisors):
-        peak = step_peak(plan, setting.trace(smaller), checkpointing)
+        peak = step_peak(plan, setting.trace(smaller), setting.checkpointing)
         if peak.total <= device_memory or i == len(divisors) - 1:
             steps = b // smaller
-            add(
+            return [(
                 f"micro-batch {smaller} x {steps} accumulation steps",
                 {"micro_batch_size": smaller, "accumulate_grad_batches": steps}, peak,
                 setting.accumulation_seconds(plan, steps),
                 f"{steps - 1} more micro-batch{'es' if steps > 2 else ''} per step: collectives repeated,"
                 " the same FLOPs",
-            )  # fmt: skip
-            break
-    if plan.offload == "none" and plan.whole_tensor is None:
-        other = setting.plan(offload="cpu")
-        add(
-            "offload cpu", {"offload": "cpu"}, step_peak(other, trace, checkpointing),
-            other.tier_seconds + other.comm_seconds - plan.comm_seconds,
-            f"{_gb(other.tier_moves['down'] + other.tier_moves['up'])} to and from the host per step"
-            f" ({other.tier_link})",
-        )  # fmt: skip
-    group = plan.shard_group_size
-    larger = [g for g in range(group + 1, setting.world_size + 1) if setting.world_size % g == 0 and g % group == 0]
+            )]  # fmt: skip
+    return []
+
+
+def _offload(setting: Setting, plan: Plan, trace: ActivationTrace) -> list[Tried]:
+    if plan.offload != "none" or plan.whole_tensor is not None:
+        return []
+    other = setting.plan(offload="cpu")
+    return [(
+        "offload cpu", {"offload": "cpu"}, step_peak(other, trace, setting.checkpointing),
+        other.tier_seconds + other.comm_seconds - plan.comm_seconds,
+        f"{_gb(other.tier_moves['down'] + other.tier_moves['up'])} to and from the host per step ({other.tier_link})",
+    )]  # fmt: skip
+
+
+def _larger_shard_group(setting: Setting, plan: Plan, trace: ActivationTrace, device_memory: float) -> list[Tried]:
+    """The smallest larger shard group whose step fits (else the largest)."""
+    group, world = plan.shard_group_size, setting.world_size
+    larger = [g for g in range(group + 1, world + 1) if world % g == 0 and g % group == 0]
     for i, g in enumerate(larger):
         try:
-            other = setting.plan(shard_group_size=g if g < setting.world_size else None)
+            other = setting.plan(shard_group_size=g if g < world else None)
         except ValueError:  # reshard_after_forward=k does not divide it
             continue
-        peak = step_peak(other, trace, checkpointing)
+        peak = step_peak(other, trace, setting.checkpointing)
         if peak.total <= device_memory or i == len(larger) - 1:
-            add(
-                f"shard_group_size {g}", {"shard_group_size": g if g < setting.world_size else None}, peak,
+            return [(
+                f"shard_group_size {g}", {"shard_group_size": g if g < world else None}, peak,
                 other.comm_seconds - plan.comm_seconds,
-                f"{setting.world_size // g} shard groups of {g} ranks: collectives over more ranks",
-            )  # fmt: skip
-            break
-    return out
+                f"{world // g} shard groups of {g} ranks: collectives over more ranks",
+            )]  # fmt: skip
+    return []
 
 
 def verdict(setting: Setting, plan: Plan, device_memory: float) -> Verdict:

@@ -46,28 +46,66 @@ def shard_model(
     4. give each parameter its stub (stage 3) or its view of the full buffer (stages 1-2).
     """
     policy = policy or PrecisionPolicy()
-    existing = _SHARDED[module]() if module in _SHARDED else None
     world = comm.world if isinstance(comm, Mesh) else comm
+    existing = _already_sharded(module, config, policy, world)
     if existing is not None:
-        if existing.config == config and existing.policy == policy and existing.comm.world_size == world.world_size:
-            existing.wait_gathers()
-            return existing
-        raise ValueError(
-            f"{type(module).__name__} is already sharded (stage {int(existing.config.stage)}, world size"
-            f" {existing.comm.world_size}). HINT: create a fresh module, or reuse the same strategy options."
-        )
+        return existing
     mesh = (
         comm if isinstance(comm, Mesh) else Mesh.build(world, *config.group_sizes(world.world_size, _per_node(world)))
     )
-    shard = mesh.shard
-    plan = plan_units(module, config, shard.world_size)
-    unit_paths, groups = plan.choice.paths, plan.groups
+    plan = plan_units(module, config, mesh.shard.world_size)
     if plan.choice.declined and world.rank == 0:
         warn_declined(module, plan.choice.declined)
     # before any collective: a choice refused is refused on every rank (each computes the same)
+    unit_paths, groups = plan.choice.paths, plan.groups
     members = {m: path for path in unit_paths if path and groups[path] for m in plan.choice.modules_of(path)}
     chosen = checkpointing.chosen_modules(module, config.activation_checkpointing, members, warn=world.rank == 0)
     check_same_layout(module, plan.uses, plan.owners, world)
+    flat = _flat_params(groups, config, mesh, policy)
+    _load_initial_values(
+        module, [(fp, group) for path in unit_paths for fp, (_, group) in zip(flat[path], groups[path])], world
+    )
+    units = [
+        Unit(
+            path, [module.get_submodule(m) for m in plan.choice.modules_of(path)], flat[path], mesh,
+            reshard_at_rest=config.stage is Stage.PARAMETERS, module_path=plan.choice.modules_of(path)[0],
+        )
+        for path in unit_paths
+        if flat[path] or not path
+    ]  # fmt: skip
+    broadcast_buffers(module, world, label="setup buffers")
+    sharded = ShardedModel(module, units, config, mesh, policy)
+    for unit in units:
+        hooks.install(sharded, unit)
+    sharded.checkpointed = checkpointing.apply(module, chosen)
+    module.register_state_dict_post_hook(refuse_placeholders)
+    _SHARDED[module] = weakref.ref(sharded)
+    return sharded
+
+
+def _already_sharded(
+    module: nn.Module, config: ShardLabConfig, policy: PrecisionPolicy, world: Comm
+) -> ShardedModel | None:
+    """The module's sharded model when it was sharded with the same options (Lightning sets a module up again
+    for a second ``fit``); a module sharded otherwise is refused."""
+    existing = _SHARDED[module]() if module in _SHARDED else None
+    if existing is None:
+        return None
+    if existing.config == config and existing.policy == policy and existing.comm.world_size == world.world_size:
+        existing.wait_gathers()
+        return existing
+    raise ValueError(
+        f"{type(module).__name__} is already sharded (stage {int(existing.config.stage)}, world size"
+        f" {existing.comm.world_size}). HINT: create a fresh module, or reuse the same strategy options."
+    )
+
+
+def _flat_params(
+    groups: dict, config: ShardLabConfig, mesh: Mesh, policy: PrecisionPolicy
+) -> dict[str, list[FlatParam]]:
+    """Each unit's flat parameters on the shard group, and the transport each collective takes on gloo (timed on
+    the largest)."""
+    shard = mesh.shard
     flat = {
         path: [
             _new_flat_param(layout, config, shard, policy, [_identity(u.param, shard) for u in group])
@@ -80,39 +118,24 @@ def shard_model(
         numel = min(biggest.layout.padded_numel, PROBE_NUMEL)
         shard.transport_times = choose_transports(shard, numel, biggest.compute_dtype, config.transport)
         mesh.reshard.transports = dict(shard.transports)
-    pairs = [(fp, group) for path in unit_paths for fp, (_, group) in zip(flat[path], groups[path])]
+    return flat
+
+
+def _load_initial_values(module: nn.Module, pairs: list[tuple[FlatParam, list]], world: Comm) -> None:
+    """Rank 0's initial values into every flat parameter (a meta-device module is materialized first); a
+    parameter made on the meta device is replaced in its module by its identity for the run."""
     load = functools.partial(_load_from_rank_0, comm=world)
     if has_meta(module):
         materialize(module, pairs, world.device, load)
     else:
         for fp, group in pairs:
             load(fp, [u.param for u in group])
-    for fp, group in pairs:  # a parameter made on the meta device is replaced by its identity for the run
+    for fp, group in pairs:
         for param, use in zip(fp.params, group):
             if param is not use.param:
                 for fqn in use.fqns:
                     owner, attr = _place(module, fqn)
                     owner._parameters[attr] = param
-    units = [
-        Unit(
-            path,
-            [module.get_submodule(m) for m in plan.choice.modules_of(path)],
-            flat[path],
-            mesh,
-            reshard_at_rest=config.stage is Stage.PARAMETERS,
-            module_path=plan.choice.modules_of(path)[0],
-        )
-        for path in unit_paths
-        if flat[path] or not path
-    ]
-    broadcast_buffers(module, world, label="setup buffers")
-    sharded = ShardedModel(module, units, config, mesh, policy)
-    for unit in units:
-        hooks.install(sharded, unit)
-    sharded.checkpointed = checkpointing.apply(module, chosen)
-    module.register_state_dict_post_hook(refuse_placeholders)
-    _SHARDED[module] = weakref.ref(sharded)
-    return sharded
 
 
 def _per_node(world: Comm) -> int:
