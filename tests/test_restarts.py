@@ -171,3 +171,31 @@ def test_sigterm_to_every_rank_stops_with_a_checkpoint_and_a_fresh_launch_resume
             (0, "start", 0), (0, "hurt (sigterm)", at), (1, "start", DIE_AT + 2)
         ], events  # fmt: skip
     assert_same_weights(final(tmp_path, "shardlab_stage_2"), final(tmp_path, "ddp"), "after SIGTERM")
+
+
+def fit_twice_reopening_the_group(out: str) -> list[int]:
+    """Two fits in one process, the process group destroyed before each: the second opens its groups on the same
+    address, whose store (hosted by rank 0, multi-tenant) still holds the first one's keys."""
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_shardlab import ShardLabStrategy
+    from lightning_shardlab.examples.resumable import Block, Regressor, data
+
+    steps = []
+    for k in range(2):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        strategy = ShardLabStrategy(stage=3, unit_classes=[Block], shard_group_size=1)  # a mesh: groups of its own
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=2, default_root_dir=f"{out}/{k}",
+            enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(Regressor(), data(2, 2))
+        steps.append(trainer.global_step)
+    return steps
+
+
+def test_fit_twice_in_one_process_with_the_group_opened_again(tmp_path: Path) -> None:
+    """The store keys of a process group opened again never meet the first opening's (comm/store.py)."""
+    assert run_ranks("tests.test_restarts:fit_twice_reopening_the_group", 2, {"out": str(tmp_path)}) == [[2, 2]] * 2
