@@ -116,7 +116,8 @@ class Wire:
     @property
     def rooms_at_peak(self) -> int:
         """Bytes of receive room live at once at a step's busiest moment (backward): a reduce-scatter's room from
-        each peer beside the next unit's all-gather's scratch room, ``world_size`` x ``limit`` at most."""
+        each peer beside the next unit's all-gather's scratch room, ``world_size`` x ``limit`` (one room more at
+        times: when gloo ends a receive decides whether an earlier call's room is freed yet)."""
         return self.world_size * self.limit if self.world_size > 1 else 0
 
     def _room(self, nbytes: int) -> Tensor:
