@@ -29,16 +29,6 @@ from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.collectives import Comm
 
 
-def written_everywhere(comm: Comm) -> Callable[[bool], bool]:
-    """``AsyncSaver.conclude_if_written``'s agreement over ``comm``: one all-reduce (min) of a one-element flag."""
-
-    def agree(mine: bool) -> bool:
-        flag = torch.tensor([int(mine)], dtype=torch.int32, device=comm.device)
-        return bool(collectives.all_reduce(flag, comm, op="min", label="async save written").item())
-
-    return agree
-
-
 class AsyncSaver:
     """At most one checkpoint in flight: its background write, and what concludes it on the main thread."""
 
@@ -79,10 +69,13 @@ class AsyncSaver:
         for fn in after:
             fn()
 
-    def conclude_if_written(self, everyone_done: Callable[[bool], bool]) -> None:
+    def conclude_if_written(self, comm: Comm) -> None:
         """Collective while a save is in flight (every rank calls it at the same point): finish the save if every
-        rank's background write has ended; ``everyone_done(mine)`` is True when it is True on every rank."""
-        if self._thread is not None and everyone_done(not self._thread.is_alive()):
+        rank's background write has ended (one all-reduce, min, of a one-element flag over ``comm``)."""
+        if self._thread is None:
+            return
+        flag = torch.tensor([int(not self._thread.is_alive())], dtype=torch.int32, device=comm.device)
+        if collectives.all_reduce(flag, comm, op="min", label="async save written").item():
             self.wait()
 
     def after(self, fn: Callable[[], None]) -> None:

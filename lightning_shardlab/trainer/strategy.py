@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shardlab.checkpoint import save_load as ckpt
-from lightning_shardlab.checkpoint.async_save import AsyncSaver, written_everywhere
+from lightning_shardlab.checkpoint.async_save import AsyncSaver
 from lightning_shardlab.checkpoint.rank_state import Owners
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.common.distributed import ShardLabDistributed
@@ -344,8 +344,8 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """A save in flight is completed as soon as every rank has written its files (checkpoint/async_save.py)."""
         super().on_train_batch_start(batch, batch_idx)
-        if self._saver is not None and self._saver.pending and self.sharded is not None:
-            self._saver.conclude_if_written(written_everywhere(self.sharded.comm))
+        if self._saver is not None and self.sharded is not None:
+            self._saver.conclude_if_written(self.sharded.comm)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
