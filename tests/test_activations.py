@@ -123,8 +123,10 @@ def test_saved_activations_by_unit_are_what_autograd_keeps(tmp_path: Path) -> No
             peaks = measured["step_peak"]
             assert list(peaks) == ["forward", "backward", "optimizer"], peaks
             assert peaks["forward"]["peak"] >= measured["total"], peaks
-            # its prediction (kB here, so bookkeeping of a few kB is beyond it: see the GPT and Llama test below)
-            assert measured["step_peak_predicted"]["activations"] == sum(expected.values())
+            # its prediction (kB here, where Lightning's and the profiler's own bookkeeping weigh as much: see the GPT
+            # and Llama test below for the figures): at the end of forward everything saved is live beside the state
+            predicted = measured["step_peak_predicted"]
+            assert predicted["by_phase"]["forward"] - predicted["model_state"] >= sum(expected.values()), predicted
     for stage in (2, 3):  # rank 0 drew every rank's stacked bar beside the JSON
         assert (tmp_path / f"stage{stage}" / "shardlab_budget.png").stat().st_size > 0
 
@@ -187,7 +189,7 @@ def predicted_and_measured(directory: str) -> list[dict[str, Any]]:
                 )
                 setting = Setting(tiny(name)[0], strategy.config, 2, "32-true", "adamw", link, link, name, b, t)
                 plan = plan_model(setting.model, strategy.config, 2, "32-true", "adamw", link, name)
-                planned = step_peak(plan, setting.trace(), checkpointing)
+                planned = step_peak(setting, plan)
                 ids = torch.randint(0, VOCAB, (4 * b, t + 1), generator=torch.Generator().manual_seed(0))
                 budget = ShardLabBudget(step_peak=True)
                 trainer = L.Trainer(
@@ -213,11 +215,13 @@ def test_gpt_and_llama_activations_and_step_peak_against_the_plan(tmp_path: Path
     """(1) The activations the budget predicts (the first batch traced) are what the run saves, by unit, in every
     configuration: exactly, not only within 10 %.
 
-    (2) The step's peak the budget predicts (budget/step_peak_prediction.py) is within 10 % of the one measured on
-    the first step after the warm-up, the largest phase's: it is the plan's step peak (fits.py: state + gathered +
-    activations (+ recompute), what ``shardlab plan --micro-batch-size B --seq-len T`` prints), plus the verified
-    gloo wire's receive rooms (world_size x the largest shard: a reduce-scatter's and an all-gather's, live in
-    backward beside the activations; NCCL posts none, so a plan leaves them out)."""
+    (2) The step's peak the budget predicts (budget/step_peak_prediction.py: the layout's state + the busiest moment
+    of the first batch's forward and backward run under fake tensors on the engine's schedule, budget/step_timeline.py)
+    is within 10 % of the one measured on the first step after the warm-up, phase by phase and for the step
+    (measured: 1.000-1.017 of it over these 12 configurations). The plan (fits.py, what ``shardlab plan
+    --micro-batch-size B --seq-len T`` prints) runs the same step on the same schedule, without the verified gloo
+    wire's receive rooms (NCCL posts none): at most three rooms below the budget's (a reduce-scatter's from the peer,
+    two all-gathers' scratch rooms)."""
     pytest.importorskip("transformers")
     ranks = run_ranks("tests.test_activations:predicted_and_measured", 2, {"directory": str(tmp_path)}, timeout=120)
     for rank, configs in enumerate(ranks):
@@ -226,18 +230,14 @@ def test_gpt_and_llama_activations_and_step_peak_against_the_plan(tmp_path: Path
             measured, predicted = c["measured"], c["predicted"]
             assert predicted["by_unit"] == measured["by_unit"], (rank, c["config"], predicted, measured)
             assert len(measured["by_unit"]) == 3, c  # root and two blocks: units as asked
-            if c["config"].endswith("ckpt"):  # every block checkpointed: their inputs kept, and a recompute planned
-                assert len(measured["checkpointed"]) == 2 and c["planned"]["recompute"] > 0, c
-            planned, peak, budget = c["planned"], max(c["peaks"].values()), c["predicted_peak"]
-            assert planned["activations"] == predicted["total"], c  # the plan's trace is the budget's
-            assert budget["transport"] == 2 * c["room"] > 0, c
-            # the plan's arithmetic on the same layout (to AdamW's step counters: a plan counts one per flat shard)
-            assert budget["total"] == pytest.approx(planned["total"] + budget["transport"], abs=256), c
-            # measured / predicted: 0.894-1.087 over these 12 configurations. The prediction adds up its terms as if
-            # all were live at one moment; the real backward reaches the gathered peak after the root's saved
-            # tensors are freed (over-predicted by up to 10.6 %, the safe side), and the recomputed block's backward
-            # keeps temporaries (gradients of its insides) the plan does not trace (under by up to 8.7 %). Which of the
-            # wire's rooms are live at the peak depends on when gloo ends a receive: one more at times (seen: 1 run
-            # in 8, +2.7 %), allowed for above the band
-            ratio, one_room = peak / budget["total"], c["room"] / budget["total"]
-            assert 0.89 <= ratio <= 1.10 + one_room, (rank, c["config"], peak, budget)
+            if c["config"].endswith("ckpt"):  # every block checkpointed: their inputs kept, and a recompute traced
+                assert len(measured["checkpointed"]) == 2 and predicted["recompute_peak"] > 0, c
+            peaks, budget, planned = c["peaks"], c["predicted_peak"], c["planned"]
+            for phase, predicted_peak in budget["by_phase"].items():  # forward, backward
+                assert 0.9 <= peaks[phase] / predicted_peak <= 1.1, (rank, c["config"], phase, peaks, budget)
+            assert 0.9 <= max(peaks.values()) / budget["total"] <= 1.1, (rank, c["config"], peaks, budget)
+            assert planned["total"] <= budget["total"] <= planned["total"] + 3 * c["room"], (
+                c["config"],
+                planned,
+                budget,
+            )

@@ -9,10 +9,10 @@ optimizer state, no step run), a callback reads the rank's private data mappings
 before ``fit`` would charge it to the step). glibc is told to keep one arena
 and to serve blocks of 128 KiB and more by mmap, unmapping them when freed (``MALLOC``), so that ``VmData`` follows
 the live tensors rather than the allocator's high-water mark (the mechanism of tests/test_meta_init.py). What
-the plan leaves out of its arithmetic (backward's temporaries, the optimizer state's first allocation, the
-logits' gradient, the allocator's slack) is small next to the activations of the configuration chosen here
-(a GPT of long sequences and few layers), and the margins are wide: X's predicted peak is under 0.4 C, Y's over
-3 C, the chosen change's under 0.6 C.
+the plan's step leaves out (the optimizer's step and its state's first allocation, the allocator's slack, what
+Lightning keeps) is small next to the activations of the configuration chosen here (a GPT of long sequences and
+few layers), and the margins are wide: X's predicted peak is under 0.4 C, Y's over 2 C, the chosen change's
+under 0.7 C.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_what_the_plan_says_fits_trains_under_the_cap_and_what_it_says_does_not_
     assert x["fits"] and x["peak"] < 0.4 * CAP, x["peak"] / MB  # X: micro-batch 1
     assert not y["fits"] and y["peak"] > 2 * CAP, y["peak"] / MB  # Y: micro-batch 8
     choice = next(c for c in y["candidates"] if c["name"] == y["choice"])
-    assert choice["fits"] and choice["peak"]["total"] < 0.6 * CAP, choice
+    assert choice["fits"] and choice["peak"]["total"] < 0.7 * CAP, choice
     fix = {**choice["options"]}  # e.g. micro-batch 2 x 4 accumulation steps: the same 8 sequences per step
     print(f"\ncap {CAP / MB:.0f} MiB; predicted X {x['peak'] / MB:.1f} MiB, Y {y['peak'] / MB:.1f} MiB,"
           f" {choice['name']} {choice['peak']['total'] / MB:.1f} MiB")  # fmt: skip

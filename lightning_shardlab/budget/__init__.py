@@ -10,12 +10,13 @@ activation_trace.py  the same, predicted: one micro-batch traced under fake tens
 report.py        one rank's figures at the end of a run, measured beside predicted
 tables.py        rank 0's tables of every rank's report
 bars.py          every rank's memory as a stacked bar, activations on top (shardlab_budget.png)
-step_peak.py     one step's peak of tensor memory by phase: the allocator (GPU) or torch's memory profiler (CPU)
-step_peak_prediction.py  the same peak predicted for the run: fits.py's arithmetic on its figures + the wire's rooms
+step_peak.py     one step's peak of tensor memory by phase: the allocator (GPU), or live state + allocations (CPU)
+step_timeline.py the step's live bytes moment by moment: a fake forward and backward on the engine's own schedule
+step_peak_prediction.py  the same peak predicted for the run: its layout's state + its first batch's timeline
 callback.py      ``ShardLabBudget``: measures each step (Trainer hooks, or a Fabric loop) and reports at the end
 plan.py          the same prediction for a run that has not happened: from a parameter count or a model's layout
 plan_whole.py    the plan of a whole-tensor optimizer: owners' state per rank (Muon beside AdamW), exchanges
-fits.py          the step's peak (state + gathered + activations): does it fit, and the cheapest change if not
+fits.py          the step's peak (state + the timeline's busiest moment): does it fit, and the cheapest change if not
 plan_command.py  ``shardlab plan``: its inputs (an import path, a LightningCLI YAML), its tables, its options
 local_link.py    ``--interconnect local``: this machine's link, timed by comm/link_probe.py
 """

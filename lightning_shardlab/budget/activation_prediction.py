@@ -66,6 +66,7 @@ def predict_for_batch(clone: nn.Module, batch: Any, config: ShardLabConfig, prec
         "total": trace.saved(checkpointing),
         "recompute_peak": trace.recompute_peak if checkpointing else 0,
         "seconds": trace.seconds,
+        "step": trace.step,  # what ran: "training_step" or "forward"
     }
 
 

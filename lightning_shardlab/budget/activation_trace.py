@@ -146,6 +146,9 @@ def forward_step(model: nn.Module, batch: Any) -> Tensor:
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
+STEPS: dict[str, Step] = {"training_step": lightning_step, "forward": forward_step}  # by ActivationTrace.step
+
+
 def _has_training_step(model: nn.Module) -> bool:
     from lightning.pytorch import LightningModule
 
@@ -317,7 +320,7 @@ def trace_activations(
         micro_batch_size=micro_batch_size,
         seq_len=seq_len,
         precision=precision,
-        step={lightning_step: "training_step", forward_step: "forward"}.get(attempt, "step"),
+        step=next((name for name, known in STEPS.items() if known is attempt), "step"),
         by_unit={name: ledgers.plain.by_unit.get(name, 0) for name in order},
         checkpointed_by_unit={name: ledgers.kept.by_unit.get(name, 0) for name in order},
         recompute_by_unit={name: v for name, v in ledgers.recompute.items()},

@@ -31,10 +31,10 @@ from rich.console import Console
 from lightning_shardlab.budget.activation_prediction import meta_clone, predict_for_batch
 from lightning_shardlab.budget.activations import ActivationMeter
 from lightning_shardlab.budget.bars import write_bars
-from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, measure_memory
+from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, live_bytes, measure_memory
 from lightning_shardlab.budget.report import Measured, Run, rank_report
 from lightning_shardlab.budget.step_peak import StepPeak
-from lightning_shardlab.budget.step_peak_prediction import predict_step_peak, receive_rooms
+from lightning_shardlab.budget.step_peak_prediction import predict_step_peak, timeline_for_batch
 from lightning_shardlab.budget.tables import print_budget
 from lightning_shardlab.budget.tiers import tier_counters
 from lightning_shardlab.comm import collectives
@@ -78,6 +78,7 @@ class ShardLabBudget(L.Callback):
         self.step_peak: StepPeak | None = None  # the profiled step's peak by phase, while it runs
         self._clone: torch.nn.Module | None = None  # the module on the meta device, taken before sharding
         self.predicted_activations: dict[str, Any] = {}  # its first batch traced (budget/activation_prediction.py)
+        self.predicted_timeline: Any = None  # ... and run on the engine's schedule (budget/step_timeline.py)
         self.peaks: dict[str, dict[str, Any]] = {}
 
     # ---- a Fabric loop ----
@@ -159,10 +160,13 @@ class ShardLabBudget(L.Callback):
             return
         if self._clone is not None:  # the first batch: traced under fake tensors, before it runs
             self.predicted_activations = predict_for_batch(self._clone, batch, run.sharded.config, run.precision)
+            if "step" in self.predicted_activations:
+                step = self.predicted_activations["step"]
+                self.predicted_timeline = timeline_for_batch(self._clone, batch, run.sharded, run.precision, step)
             self._clone = None
-        self._batch_start(run)
+        self._batch_start(run, batch)
 
-    def _batch_start(self, run: Run) -> None:
+    def _batch_start(self, run: Run, batch: Any = None) -> None:
         run.sharded.comm.ledger.reset_peak()
         self._comm_before = self._comm_totals(run.sharded.comm.ledger)
         self._io_before = tier_counters(run.sharded)
@@ -170,7 +174,10 @@ class ShardLabBudget(L.Callback):
             self.activations.start()
         if self.measure_step_peak and self._warmed_up and not self.peaks and self.step_peak is None:
             self.step_peak = StepPeak(run.sharded.comm.device)
-            self.step_peak.start("step" if run is self.fabric_run else "forward")
+            self.step_peak.start(
+                live_bytes(run.sharded.flat_params, run.optimizers, batch),
+                "step" if run is self.fabric_run else "forward",
+            )
         self._started = time.perf_counter()
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
@@ -276,5 +283,5 @@ class ShardLabBudget(L.Callback):
             self.activations = None
         measured = Measured(self.last, training, step_seconds, steps, self.storage_io, activations, self.peaks)
         report = {**rank_report(run, measured), "activations_predicted": self.predicted_activations}
-        report["step_peak_predicted"] = predict_step_peak(report, receive_rooms(run.sharded))
+        report["step_peak_predicted"] = predict_step_peak(report, self.predicted_timeline)
         return report

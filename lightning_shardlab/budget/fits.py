@@ -1,10 +1,11 @@
 """Does one step fit on the device, and if not, the cheapest change that makes it fit (``shardlab plan
 --micro-batch-size B --seq-len T --device-memory 80GB``).
 
-The step's peak per rank is arithmetic on planned and traced sizes: the model state the device keeps (the plan's
-layout, budget/plan.py) + the gathered units at their peak (stage 3) + what one micro-batch saves for backward
-(traced under fake tensors, budget/activation_trace.py), + with activation checkpointing the largest checkpointed
-module's recomputation (live while its backward runs). Each candidate change is planned and traced the same way:
+The step's peak per rank is the model state the device keeps between steps (the plan's layout, budget/plan.py) +
+the busiest moment of one micro-batch's forward and backward run under fake tensors on the engine's schedule
+(budget/step_timeline.py): the saved activations, temporaries and gradients live then, the units gathered then
+(stage 3), and the flat gradients whose reduce-scatters fly then (on NCCL: no receive rooms). Each candidate change
+is planned and run the same way:
 
 1. a higher stage (2: gradients sharded; 3: parameters too, gathered per unit);
 2. ``activation_checkpointing`` (every unit's modules keep only their inputs);
@@ -27,14 +28,16 @@ with its peak.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from lightning_shardlab.budget.activation_trace import ActivationTrace, trace_activations
+from lightning_shardlab.budget.activation_trace import STEPS, ActivationTrace, token_batch, trace_activations
 from lightning_shardlab.budget.plan import COMPUTE, Plan, link_seconds, plan_model
 from lightning_shardlab.budget.predict import DEVICES, Interconnect, predict_traffic
+from lightning_shardlab.budget.step_timeline import StepTimeline, UnitBytes, step_timeline
 from lightning_shardlab.core.config import DTYPES, Accumulation, PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.core.display import size
 from lightning_shardlab.sharding.policy import plan_units
@@ -46,35 +49,37 @@ def _gb(n: float) -> str:
 
 @dataclass
 class PlannedPeak:
-    """One rank's bytes at the step's peak: the start of backward (with checkpointing, the first recomputation)."""
+    """One rank's bytes at the step's busiest moment (budget/step_timeline.py)."""
 
     model_state: float  # the model state the device keeps between steps
-    gathered: float  # stage 3: gathered units at their busiest moment
-    activations: float  # saved for backward by one micro-batch
-    recompute: float = 0.0  # with checkpointing: the largest module's recomputation
-    transport: float = 0.0  # the verified gloo wire's receive rooms (comm/wire.py); none on NCCL, none in a plan
+    traced: float  # what the micro-batch holds then: saved activations, temporaries, gradients
+    gathered: float  # stage 3: the units gathered then
+    in_flight: float = 0.0  # the flat gradients (and receive rooms) of the reductions in flight then
+    where: str = ""  # "backward: pre_backward blocks.3, aten.mm"
 
     @property
     def total(self) -> float:
-        return self.model_state + self.gathered + self.activations + self.recompute + self.transport
+        return self.model_state + self.traced + self.gathered + self.in_flight
 
     def arithmetic(self) -> str:
-        """'12.3 GB state + 4.1 GB gathered + 20.2 GB activations (+ 1.1 GB recompute) = 37.7 GB'."""
-        text = f"{_gb(self.model_state)} state + {_gb(self.gathered)} gathered + {_gb(self.activations)} activations"
-        if self.recompute:
-            text += f" + {_gb(self.recompute)} recompute"
-        if self.transport:
-            text += f" + {_gb(self.transport)} receive rooms"
-        return f"{text} = {_gb(self.total)}"
+        """'12.3 GB state + 20.2 GB traced + 4.1 GB gathered + 0.3 GB in flight = 36.9 GB (at backward: ...)'."""
+        return (
+            f"{_gb(self.model_state)} state + {_gb(self.traced)} traced (activations, temporaries, gradients) +"
+            f" {_gb(self.gathered)} gathered + {_gb(self.in_flight)} in flight = {_gb(self.total)}"
+            + (f" (at {self.where})" if self.where else "")
+        )
 
 
-def step_peak(plan: Plan, trace: ActivationTrace, checkpointing: bool) -> PlannedPeak:
-    """The plan's device-resident state and gathered peak, with the traced micro-batch on top."""
+def step_peak(setting: Setting, plan: Plan, micro_batch_size: int | None = None, **changes: Any) -> PlannedPeak:
+    """``plan``'s device-resident state with the busiest moment of the setting's step with ``changes`` to the
+    strategy options (the ones ``plan`` was made with) and a micro-batch of ``micro_batch_size``."""
+    moment = setting.timeline(micro_batch_size, **changes).peak
     return PlannedPeak(
         model_state=plan.device_bytes - plan.gathered_peak,
-        gathered=float(plan.gathered_peak),
-        activations=float(trace.saved(checkpointing)),
-        recompute=float(trace.recompute_peak if checkpointing else 0),
+        traced=float(moment.traced),
+        gathered=float(moment.gathered),
+        in_flight=float(moment.in_flight),
+        where=f"{moment.phase}: {moment.where}",
     )
 
 
@@ -112,6 +117,7 @@ class Setting:
     device: str = "h100"  # for the recomputation's time
     mfu: float = 0.4
     traces: dict[int, ActivationTrace] = field(default_factory=dict)
+    timelines: dict[tuple, StepTimeline] = field(default_factory=dict)
 
     @property
     def checkpointing(self) -> bool:
@@ -134,14 +140,32 @@ class Setting:
             self.traces[b] = trace_activations(self.model, b, self.seq_len, self.precision, config=self.config)
         return self.traces[b]
 
+    def timeline(self, micro_batch_size: int | None = None, **changes: Any) -> StepTimeline:
+        """One micro-batch's step on the engine's schedule with ``changes`` to the strategy options; each once."""
+        b = micro_batch_size or self.micro_batch_size
+        key = (b, *sorted(changes.items()))
+        if key not in self.timelines:
+            config = dataclasses.replace(self.config, **changes)
+            group, _ = config.group_sizes(self.world_size, self.per_node or self.world_size)
+            sizes = {
+                name: UnitBytes.of(lays, config.stage, self._policy())
+                for name, lays in plan_units(self.model, config, group).layouts().items()
+            }
+            step = STEPS[self.trace(b).step]
+            make = functools.partial(token_batch, self.model, b, self.seq_len)
+            self.timelines[key] = step_timeline(self.model, config, sizes, make, step, self.precision)
+        return self.timelines[key]
+
+    def _policy(self) -> PrecisionPolicy:
+        reduce = DTYPES[self.config.reduce_dtype] if self.config.reduce_dtype else None
+        return PrecisionPolicy(COMPUTE[self.precision], reduce)
+
     def accumulation_seconds(self, plan: Plan, steps: int) -> float:
         """What ``steps`` micro-batches per optimizer step add over one on the plan's links: the collectives
         repeated per micro-batch (stage 3's gathers; the reductions with accumulation='reduce')."""
         group, reshard, replicas = plan.shard_group_size, plan.reshard_size, plan.replicas
         units = plan_units(self.model, self.config, group).layouts()
-        policy = PrecisionPolicy(
-            COMPUTE[self.precision], DTYPES[self.config.reduce_dtype] if self.config.reduce_dtype else None
-        )
+        policy = self._policy()
         link = self.inter if group > (self.per_node or self.world_size) else self.link
 
         def seconds(micro: int) -> float:
@@ -193,13 +217,13 @@ def candidates(setting: Setting, plan: Plan, device_memory: float) -> list[Chang
     """Every single change of the rule that lowers this plan's step peak, with that peak and its added cost (see
     above); of the smaller micro-batches and larger shard groups, the first that fits (else the last)."""
     trace = setting.trace()
-    now = step_peak(plan, trace, setting.checkpointing).total
+    now = step_peak(setting, plan).total
     tried = [
-        *_higher_stages(setting, plan, trace),
+        *_higher_stages(setting, plan),
         *_checkpointing(setting, plan, trace),
         *_smaller_micro_batch(setting, plan, device_memory),
-        *_offload(setting, plan, trace),
-        *_larger_shard_group(setting, plan, trace, device_memory),
+        *_offload(setting, plan),
+        *_larger_shard_group(setting, plan, device_memory),
     ]
     return [
         Change(name, options, peak, peak.total <= device_memory, max(seconds, 0.0), cost)
@@ -208,13 +232,13 @@ def candidates(setting: Setting, plan: Plan, device_memory: float) -> list[Chang
     ]
 
 
-def _higher_stages(setting: Setting, plan: Plan, trace: ActivationTrace) -> list[Tried]:
+def _higher_stages(setting: Setting, plan: Plan) -> list[Tried]:
     out = []
     for stage in range(plan.stage + 1, 4):
         other = setting.plan(stage=Stage(stage))
         moved = _moved(plan, other)
         out.append((
-            f"stage {stage}", {"stage": stage}, step_peak(other, trace, setting.checkpointing),
+            f"stage {stage}", {"stage": stage}, step_peak(setting, other, stage=Stage(stage)),
             other.comm_seconds - plan.comm_seconds,
             f"{_gb(max(moved, 0))} more moved per step" if moved > 0 else "no more traffic",
         ))  # fmt: skip
@@ -225,7 +249,8 @@ def _checkpointing(setting: Setting, plan: Plan, trace: ActivationTrace) -> list
     if setting.checkpointing or not trace.checkpointed:
         return []
     return [(
-        "activation_checkpointing", {"activation_checkpointing": True}, step_peak(plan, trace, True),
+        "activation_checkpointing", {"activation_checkpointing": True},
+        step_peak(setting, plan, activation_checkpointing=True),
         setting.recompute_seconds(trace, setting.micro_batch_size),
         f"recompute: one more forward of {len(trace.checkpointed)} modules (~1/3 of their forward + backward"
         f" FLOPs; {setting.device} at {setting.mfu:.0%} MFU)",
@@ -238,7 +263,7 @@ def _smaller_micro_batch(setting: Setting, plan: Plan, device_memory: float) -> 
     b = setting.micro_batch_size
     divisors = [d for d in range(b - 1, 0, -1) if b % d == 0]
     for i, smaller in enumerate(divisors):
-        peak = step_peak(plan, setting.trace(smaller), setting.checkpointing)
+        peak = step_peak(setting, plan, smaller)
         if peak.total <= device_memory or i == len(divisors) - 1:
             steps = b // smaller
             return [(
@@ -251,18 +276,18 @@ def _smaller_micro_batch(setting: Setting, plan: Plan, device_memory: float) -> 
     return []
 
 
-def _offload(setting: Setting, plan: Plan, trace: ActivationTrace) -> list[Tried]:
+def _offload(setting: Setting, plan: Plan) -> list[Tried]:
     if plan.offload != "none" or plan.whole_tensor is not None:
         return []
     other = setting.plan(offload="cpu")
     return [(
-        "offload cpu", {"offload": "cpu"}, step_peak(other, trace, setting.checkpointing),
+        "offload cpu", {"offload": "cpu"}, step_peak(setting, other, offload="cpu"),
         other.tier_seconds + other.comm_seconds - plan.comm_seconds,
         f"{_gb(other.tier_moves['down'] + other.tier_moves['up'])} to and from the host per step ({other.tier_link})",
     )]  # fmt: skip
 
 
-def _larger_shard_group(setting: Setting, plan: Plan, trace: ActivationTrace, device_memory: float) -> list[Tried]:
+def _larger_shard_group(setting: Setting, plan: Plan, device_memory: float) -> list[Tried]:
     """The smallest larger shard group whose step fits (else the largest)."""
     group, world = plan.shard_group_size, setting.world_size
     larger = [g for g in range(group + 1, world + 1) if world % g == 0 and g % group == 0]
@@ -271,7 +296,7 @@ def _larger_shard_group(setting: Setting, plan: Plan, trace: ActivationTrace, de
             other = setting.plan(shard_group_size=g if g < world else None)
         except ValueError:  # reshard_after_forward=k does not divide it
             continue
-        peak = step_peak(other, trace, setting.checkpointing)
+        peak = step_peak(setting, other, shard_group_size=g if g < world else None)
         if peak.total <= device_memory or i == len(larger) - 1:
             return [(
                 f"shard_group_size {g}", {"shard_group_size": g if g < world else None}, peak,
@@ -284,7 +309,7 @@ def _larger_shard_group(setting: Setting, plan: Plan, trace: ActivationTrace, de
 def verdict(setting: Setting, plan: Plan, device_memory: float) -> Verdict:
     """Whether the plan's step peak fits in ``device_memory`` bytes; when not, the cheapest single change that
     fits (the rule above), every change tried listed with its peak and cost."""
-    peak = step_peak(plan, setting.trace(), setting.checkpointing)
+    peak = step_peak(setting, plan)
     if peak.total <= device_memory:
         return Verdict(device_memory, peak, True, [], None)
     tried = candidates(setting, plan, device_memory)
@@ -298,7 +323,7 @@ def add_activations(plan: Plan, setting: Setting, device_memory: float | None) -
     then the step peak's)."""
     trace = setting.trace()
     checkpointing = setting.checkpointing
-    peak = step_peak(plan, trace, checkpointing)
+    peak = step_peak(setting, plan)
     plan.activations = {**trace.fields(), "checkpointing": checkpointing}
     plan.step_peak = {**dataclasses.asdict(peak), "total": peak.total, "arithmetic": peak.arithmetic()}
     if device_memory is not None:

@@ -6,9 +6,11 @@ Each storage is counted once, by category (the same categories predict.py uses);
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_leaves
 
 from lightning_shardlab.sharding.flat_param import FlatParam
 
@@ -63,3 +65,11 @@ def _padding_bytes(fp: FlatParam) -> int:
         held += in_shard  # a shard of its own (stage 3)
     grads = in_shard * fp.grad_shard.element_size() if fp.grad_shard is not None else 0
     return held * fp.layout.dtype.itemsize + grads
+
+
+def live_bytes(flat_params: list[FlatParam], optimizers: Iterable[Optimizer] = (), batch: Any = None) -> int:
+    """Every byte of model state this rank holds right now (padding included once, inside its tensors), and the
+    batch's tensors: what is live as a step starts (budget/step_peak.py)."""
+    seen: set[int] = set()
+    held = sum(_storage_bytes(tensors, seen) for tensors in category_tensors(flat_params, optimizers).values())
+    return held + _storage_bytes([t for t in tree_leaves(batch) if isinstance(t, Tensor)], seen)

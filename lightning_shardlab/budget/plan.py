@@ -73,7 +73,7 @@ class Plan:
     fits: bool | None = None  # device_bytes fit; with a traced micro-batch, the step peak (budget/fits.py)
     whole_tensor: dict[str, Any] | None = None  # a whole-tensor optimizer's owners (WholePlan.fields)
     activations: dict[str, Any] | None = None  # one micro-batch traced (ActivationTrace.fields, + checkpointing)
-    step_peak: dict[str, Any] | None = None  # state + gathered + activations (+ recompute), bytes (fits.PlannedPeak)
+    step_peak: dict[str, Any] | None = None  # state + the step's busiest moment, bytes (fits.PlannedPeak)
     fit: dict[str, Any] | None = None  # --device-memory with a micro-batch: the verdict, the changes tried
 
     @property

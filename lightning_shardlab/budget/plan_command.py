@@ -177,13 +177,16 @@ def activation_rows(plan: Plan) -> list[tuple[str, str]]:
     units = {k: v for k, v in by_unit.items() if k != "root"}
     shape = f"{acts['micro_batch_size']} x {acts['seq_len']}"
     ckpt_text = f", {len(acts['checkpointed'])} modules checkpointed" if ckpt else ""
-    rows = [(f"activations (micro-batch {shape}{ckpt_text}; traced)", _gb(peak["activations"]))]
+    total = acts["checkpointed_total" if ckpt else "total"]
+    rows = [(f"saved for backward (micro-batch {shape}{ckpt_text}; traced)", _gb(total))]
     rows.append(("  of which the root unit", _gb(by_unit.get("root", 0))))
     if units:
         largest = max(units, key=units.get)
         rows.append((f"  the largest unit ({largest}; {len(units)} units)", _gb(units[largest])))
     if ckpt:
-        rows.append(("recompute peak (largest checkpointed module, in backward)", _gb(peak["recompute"])))
+        rows.append(("recompute peak (largest checkpointed module, in backward)", _gb(acts["recompute_peak"])))
+    rows.append(("live at the step's busiest moment (traced)", _gb(peak["traced"])))
+    rows.append(("  gathered then / in flight then", f"{_gb(peak['gathered'])} / {_gb(peak['in_flight'])}"))
     rows.append(("step peak per rank", _gb(peak["total"])))
     if plan.fit is not None:
         rows.append((f"in {plan.fit['device_memory'] / 1e9:,.0f} GB of device memory", _verdict(plan.fit)))

@@ -5,11 +5,14 @@ a step; the budget's other figures are taken between steps. For one training ste
 warm-up) ``StepPeak`` measures the largest total of live tensor bytes inside each phase:
 
 - on a GPU, from the allocator: ``torch.cuda.max_memory_allocated``, its peak reset as each phase begins;
-- on CPU, which has no allocator statistics, by tensor accounting: the step runs under torch's profiler with
-  ``profile_memory=True``, whose memory timeline (``torch.profiler._memory_profiler``) lists every allocation
-  and free with its category (parameter, gradient, optimizer state, activation, temporary, ...); the phases
-  are ``record_function`` ranges opened and closed from the budget's hooks, and each phase's peak is the
-  largest live total between its start and end (tensors alive before the step count from the start).
+- on CPU, which keeps no allocator statistics, by accounting: what is live when the step starts, read from the
+  real tensors (the engine's flat parameters, gradients, master weights, the optimizers' state, and the batch:
+  budget/measure.py), plus every allocation and free the step makes, as torch's profiler reports them with
+  ``profile_memory=True`` (its ``Allocation`` events: each CPU allocation and free through torch's allocator,
+  with its size). The phases are ``record_function`` ranges opened and closed from the budget's hooks; a phase's
+  peak is the start's bytes plus the largest running sum of those events within it. (The profiler's own
+  per-tensor timeline leaves out tensors that live through the step without an op it follows, such as parts of
+  the optimizer state, so it is not used for the total.)
 
 The profiled step runs slower (the profiler records every op), so it is left out of the timings; it is the first
 step after the warm-up (optimizer state made, prefetch order known), and it is opt-in:
@@ -18,6 +21,8 @@ step after the warm-up (optimizer state made, prefetch order known), and it is o
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from typing import Any
 
 import torch
@@ -35,9 +40,12 @@ class StepPeak:
         self.mark: Any = None
         self.profiler: Any = None
         self.gpu_peaks: dict[str, int] = {}
+        self.at_start = 0
 
-    def start(self, first: str = PHASES[0]) -> None:
-        """The step begins with phase ``first`` (a Fabric loop, whose phases the budget does not see: "step")."""
+    def start(self, at_start: int, first: str = PHASES[0]) -> None:
+        """The step begins with phase ``first`` (a Fabric loop, whose phases the budget does not see: "step"), with
+        ``at_start`` bytes live (read from the real tensors; used on CPU)."""
+        self.at_start = at_start
         if self.device.type != "cuda":
             from torch.profiler import ProfilerActivity, profile
 
@@ -65,32 +73,36 @@ class StepPeak:
             self.gpu_peaks[self.current] = torch.cuda.max_memory_allocated(self.device)
 
     def stop(self) -> dict[str, dict[str, Any]]:
-        """Per phase that ran: ``{"peak": bytes, "by_category": {category: bytes at that peak}}``."""
+        """Per phase that ran: ``{"peak": bytes, "by_category": {...}}`` (on CPU: live at the step's start, and
+        made in the step up to the peak; on a GPU, the allocator's peak without parts)."""
         self._close()
         if self.device.type == "cuda":
             return {name: {"peak": peak, "by_category": {}} for name, peak in self.gpu_peaks.items()}
         self.profiler.__exit__(None, None, None)
-        return phase_peaks(self.profiler)
+        return phase_peaks(self.profiler, self.at_start)
 
 
-def phase_peaks(profiler: Any) -> dict[str, dict[str, Any]]:
-    """Each marked phase's largest live CPU total in a profiled step, with its breakdown by category."""
-    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
+def phase_peaks(profiler: Any, at_start: int) -> dict[str, dict[str, Any]]:
+    """Each marked phase's largest live CPU total in a profiled step: ``at_start`` plus the running sum of the
+    step's allocations (+) and frees (-) at its largest inside the phase."""
+    from torch.profiler._memory_profiler import _EventType
 
-    memory = profiler._memory_profile()
-    windows = {}
-    for event in memory._op_tree.dfs():
+    windows, changes = {}, []
+    for event in profiler._memory_profile()._op_tree.dfs():
         name = _name(event)
         if name.startswith("shardlab::phase "):
-            windows[name.removeprefix("shardlab::phase ")] = (event.start_time_ns / 1000, event.end_time_ns / 1000)
-    times, sizes = MemoryProfileTimeline(memory)._coalesce_timeline("cpu")
-    # column 0 is never filled; column i + 1 is the i-th category of the profiler's order (None: uncategorised)
-    names = ["-", *(c.name.lower() if c is not None else "other" for c in _CATEGORY_TO_INDEX)]
+            windows[name.removeprefix("shardlab::phase ")] = (event.start_time_ns, event.end_time_ns)
+        elif event.typed[0] == _EventType.Allocation and event.typed[1].device.type == "cpu":
+            changes.append((event.start_time_ns, event.typed[1].alloc_size))
+    begin = min((start for start, _ in windows.values()), default=0)
+    changes = sorted(change for change in changes if change[0] >= begin)
+    times = [t for t, _ in changes]
+    running = list(itertools.accumulate(nbytes for _, nbytes in changes))  # made since the step began
     out = {}
     for name, (start, end) in windows.items():
-        rows = [row for t, row in zip(times, sizes) if start <= t <= end] or [_before(times, sizes, start)]
-        peak = max(rows, key=sum)
-        out[name] = {"peak": int(sum(peak)), "by_category": {n: int(b) for n, b in zip(names, peak) if b}}
+        lo, hi = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
+        made = max([running[lo - 1] if lo else 0, *running[lo:hi]])
+        out[name] = {"peak": at_start + made, "by_category": {"live at the step's start": at_start, "made in it": made}}
     return out
 
 
@@ -100,9 +112,3 @@ def _name(event: Any) -> str:
         return event.name
     except UnicodeDecodeError:
         return ""
-
-
-def _before(times: list[int], sizes: list[list[int]], start: float) -> list[int]:
-    """The live sizes when a phase with no allocation of its own began."""
-    earlier = [row for t, row in zip(times, sizes) if t <= start]
-    return earlier[-1] if earlier else [0] * (len(sizes[0]) if sizes else 1)

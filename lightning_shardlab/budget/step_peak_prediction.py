@@ -1,38 +1,72 @@
 """The step's peak predicted for the run itself, beside the one measured (budget/step_peak.py).
 
-The same arithmetic as ``shardlab plan``'s verdict (budget/fits.py, ``PlannedPeak``), on the run's own
-figures: the model state its layout keeps on the device between steps and the gathered units at their peak
-(budget/predict.py, budget/tiers.py), what its first batch saves for backward and, with activation
-checkpointing, the largest recomputation (traced under fake tensors, budget/activation_prediction.py) — plus
-what a plan made for NCCL has no reason to count: the receive rooms of the verified gloo wire live at the busiest
-moment (``Wire.rooms_at_peak``: a reduce-scatter's room from each peer and an all-gather's scratch room).
+At the first training batch, ``timeline_for_batch`` runs that batch — made fake, so only its shapes and dtypes
+matter — through the meta-device copy of the module (budget/activation_prediction.py's ``meta_clone``) on the
+engine's schedule (budget/step_timeline.py), with each unit's bytes read from the run's own flat-parameter
+layouts and, on gloo, the receive rooms of its verified wire (``Wire.receive_room``). The predicted peak is then
+the model state the layout keeps on the device between steps (budget/predict.py's locations) + the busiest
+moment of that timeline; ``predict_step_peak`` says which moment and what it holds.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_shardlab.budget.fits import PlannedPeak
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lightning_shardlab.budget.activation_trace import STEPS
+from lightning_shardlab.budget.step_timeline import StepTimeline, UnitBytes, no_rooms, step_timeline
+from lightning_shardlab.core.display import size
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 
-def receive_rooms(sharded: ShardedModel) -> int:
-    """Bytes of receive room the shard group's wire keeps live at a step's busiest moment (0 without one)."""
+def unit_bytes(sharded: ShardedModel) -> dict[str, UnitBytes]:
+    """Each unit's bytes for the timeline, from its real layouts; receive rooms from the shard group's wire."""
     wire = sharded.mesh.shard.wire
-    return wire.rooms_at_peak if wire is not None else 0
+    rooms = wire.receive_room if wire is not None else no_rooms
+    return {
+        unit.name: UnitBytes.of([fp.layout for fp in unit.flat_params], sharded.config.stage, sharded.policy, rooms)
+        for unit in sharded.units
+    }
 
 
-def predict_step_peak(report: dict[str, Any], rooms: int) -> dict[str, Any] | None:
-    """``report``'s predicted peak (PlannedPeak's fields, its total and arithmetic); None when its activations
-    were not traced (budget/activation_prediction.py says why)."""
-    activations = report.get("activations_predicted") or {}
-    if "total" not in activations:
-        return None
-    peak = PlannedPeak(
-        model_state=float(sum(report["locations_predicted"]["device"].values())),
-        gathered=float(report["memory_predicted"]["gathered_peak"]),
-        activations=float(activations["total"]),
-        recompute=float(activations.get("recompute_peak", 0)),
-        transport=float(rooms),
-    )
-    return {**vars(peak), "total": peak.total, "arithmetic": peak.arithmetic()}
+def timeline_for_batch(
+    clone: nn.Module, batch: Any, sharded: ShardedModel, precision: str, step: str
+) -> StepTimeline | dict[str, str]:
+    """``clone``'s step on a batch shaped like ``batch`` (``step``: what the activation trace ran, "training_step"
+    or "forward"), on ``sharded``'s schedule; ``{"error": why}`` when it does not run."""
+
+    def fake_batch() -> Any:
+        return tree_map(lambda t: torch.empty_like(t, device="cpu") if isinstance(t, torch.Tensor) else t, batch)
+
+    try:
+        return step_timeline(clone, sharded.config, unit_bytes(sharded), fake_batch, STEPS[step], precision)
+    except (ValueError, RuntimeError, TypeError, KeyError) as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def predict_step_peak(report: dict[str, Any], timeline: StepTimeline | dict[str, str] | None) -> dict[str, Any] | None:
+    """The predicted peak: the layout's device state + the timeline's busiest moment, with that moment's parts
+    and each phase's; ``{"error": why}`` or None when there is no timeline."""
+    if not isinstance(timeline, StepTimeline):
+        return timeline
+    state = int(sum(report["locations_predicted"]["device"].values()))
+    moment = timeline.peak
+    parts = {"model_state": state, "traced": moment.traced, "gathered": moment.gathered, "in_flight": moment.in_flight}
+    total = sum(parts.values())
+    return {
+        **parts,
+        "total": total,
+        "phase": moment.phase,
+        "where": moment.where,
+        "by_phase": {name: state + m.total for name, m in timeline.peaks.items()},
+        "arithmetic": (
+            f"{size(state, decimal=True)} state + {size(moment.traced, decimal=True)} traced (activations,"
+            f" temporaries, gradients) + {size(moment.gathered, decimal=True)} gathered +"
+            f" {size(moment.in_flight, decimal=True)} in flight = {size(total, decimal=True)}, at {moment.phase}:"
+            f" {moment.where}"
+        ),
+        "seconds": timeline.seconds,
+    }

@@ -193,9 +193,9 @@ def step_peak_table(everyone: list[dict[str, Any]]) -> Table:
     table = Table(
         title="shardlab budget: the step's peak of tensor memory by phase (the first step after the warm-up), MiB"
         " measured, and the step's peak predicted",
-        caption="made of: the categories torch's memory profiler gives each allocation on CPU (the engine's flat"
-        " buffers and collective staging count as input or other); on a GPU the allocator's peak, without"
-        " categories. predicted: state + gathered + activations (+ recompute) (+ the gloo wire's receive rooms)",
+        caption="made of, on CPU: what was live as the step started (the real tensors) and what the step had made"
+        " by its peak (every allocation and free); on a GPU the allocator's peak. predicted: the layout's state +"
+        " the busiest moment of the first batch run under fake tensors on the engine's schedule",
     )
     for col in ("rank", "phase", "peak", "made of"):
         table.add_column(col, justify="right")

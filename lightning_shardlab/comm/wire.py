@@ -49,7 +49,7 @@ _tags = itertools.count(
 )  # the same process group) takes the next: what a failed run left in flight never pairs up
 MIN_LIMIT = 4 << 10  # bytes: the receive room of small calls (sanity digests, norms, per-rank figures); anything
 # larger than the largest shard (objects, big buffers) waits for the headers instead, so the room stays what the
-# model needs (the budget counts it in the step's peak, budget/step_peak_prediction.py)
+# model needs (the budget counts it in the step's peak, budget/step_timeline.py)
 REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
@@ -113,12 +113,17 @@ class Wire:
             KEPT_AFTER_FAILURE.append((rest, heads))  # see the note above
             raise
 
-    @property
-    def rooms_at_peak(self) -> int:
-        """Bytes of receive room live at once at a step's busiest moment (backward): a reduce-scatter's room from
-        each peer beside the next unit's all-gather's scratch room, ``world_size`` x ``limit`` (one room more at
-        times: when gloo ends a receive decides whether an earlier call's room is freed yet)."""
-        return self.world_size * self.limit if self.world_size > 1 else 0
+    def receive_room(self, kind: str, payload: int) -> int:
+        """Bytes of receive room this rank allocates for one call of ``kind`` ("all_gather" or "reduce_scatter")
+        sending ``payload`` bytes to each peer, live from its launch until it is waited: a reduce-scatter's room
+        for each peer; an all-gather's scratch room for each peer whose chunk lies too close to the end of the full
+        buffer for a room of ``limit`` bytes (the others land in place). The budget's step timeline counts them
+        (budget/step_timeline.py)."""
+        room = max(payload, self.limit)
+        if kind == "reduce_scatter":
+            return len(self.peers) * room
+        whole = payload * self.world_size
+        return sum(room for p in self.peers if p * payload + room > whole)
 
     def _room(self, nbytes: int) -> Tensor:
         """A receive buffer with room for any payload of at most ``limit`` bytes."""

@@ -1,0 +1,337 @@
+"""The step's peak, moment by moment: one micro-batch's forward and backward under fake tensors, on the engine's
+own schedule.
+
+Adding up a step's parts (state + gathered + activations) counts them as if all were live at one moment; they are
+not: the root's saved tensors (the logits) are freed early in backward, a block's own saved tensors go as its
+backward runs, and the gathered units change from one unit to the next. ``step_timeline`` runs the step instead —
+forward, then backward — of a meta-device model under ``FakeTensorMode`` (shapes only, nothing allocated) and
+adds up, after every op, what is live:
+
+- **traced**: every storage an op made and nobody has freed yet (``LiveStorages``, a dispatch mode that watches
+  each new storage until Python frees it): the batch, what autograd saves, temporaries, each gradient flowing
+  back, the parameters' own gradients (until their unit's post-backward drops them), and, with activation
+  checkpointing, the recomputed forward;
+- **engine**: what the sharding engine holds then (``EngineStandIn``): the gathered units (stage 3) and each flat
+  gradient whose reduce-scatter is in flight.
+
+The engine's moments are its own: the stand-in receives the events of sharding/hooks.py — the very hooks the
+engine installs, on the same modules — and takes ShardedModel's decisions (sharding/sharded_model.py): the root
+held for the step; a unit gathered at its pre-forward with the next one (last step's order) prefetched, freed at
+its post-forward except the last, which backward needs first; in backward each unit gathered with the one before
+it prefetched, its gradients laid out as one flat gradient and reduce-scattered at its post-backward (the previous
+one waited first: one in flight; at stage 1 all fly until the end of backward), the unit freed; at the end of
+backward, the root's. It counts bytes instead of moving them. Forward order is the units' order (the order last
+step ran them, in a model whose forward runs its blocks in the order it registers them).
+
+On gloo the verified wire's receive rooms (comm/wire.py, ``Wire.receive_room``) count from a call's launch until
+it is waited; NCCL, and a plan, post none. The step's peak is then the model state the layout keeps on the device
++ the largest of these moments (budget/step_peak_prediction.py for a run, budget/fits.py for a plan). Not traced:
+the optimizer's step (its temporaries are shard-sized), and what torch's checkpoint keeps beside a checkpointed
+module's inputs (the CPU RNG state, 5 kB each).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lightning_shardlab.budget.activation_trace import _compute, fake_parameters, unit_members
+from lightning_shardlab.budget.activations import ROOT
+from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.sharding import checkpointing, hooks
+from lightning_shardlab.sharding.flat_param import FlatParamLayout
+from lightning_shardlab.sharding.policy import choose_units
+from lightning_shardlab.sharding.sharded_model import MAX_REDUCTIONS_IN_FLIGHT
+from lightning_shardlab.sharding.unit import TrainingState
+
+PHASES = ("forward", "backward")
+
+
+Rooms = Callable[[str, int], int]  # (collective, bytes sent to each peer) -> receive room held while it flies
+
+
+def no_rooms(kind: str, payload: int) -> int:
+    """NCCL (and a plan): collectives post no receive buffers of their own."""
+    return 0
+
+
+@dataclass(frozen=True)
+class UnitBytes:
+    """What the engine holds for one unit, from its flat parameters' layouts."""
+
+    gathered: int = 0  # its full buffers while gathered (stage 3; at stages 1-2 they are model state)
+    gathering: int = 0  # the receive rooms of its all-gathers while they fly
+    reducing: int = 0  # its flat gradients, new grad shards and receive rooms while the reduce-scatters fly
+
+    @staticmethod
+    def of(layouts: list[FlatParamLayout], stage: Stage, policy: PrecisionPolicy, rooms: Rooms = no_rooms) -> UnitBytes:
+        gathered = gathering = reducing = 0
+        for lay in layouts:
+            compute = policy.compute_for(lay.dtype).itemsize
+            if stage is Stage.PARAMETERS and lay.world_size > 1:
+                gathered += lay.padded_numel * compute
+                gathering += rooms("all_gather", lay.shard_numel * compute)
+            if lay.requires_grad:
+                reduce = (policy.reduce_dtype or policy.compute_for(lay.dtype)).itemsize
+                reducing += (lay.padded_numel + lay.shard_numel) * reduce
+                reducing += rooms("reduce_scatter", lay.shard_numel * reduce) if lay.world_size > 1 else 0
+        return UnitBytes(gathered, gathering, reducing)
+
+
+@dataclass
+class Moment:
+    """The live bytes at one instant, and where in the step it was."""
+
+    phase: str = "forward"
+    where: str = ""  # the last engine event and the op: "pre_backward blocks.1, aten.mm"
+    traced: int = 0  # what the traced step holds: batch, saved tensors, temporaries, parameters' gradients
+    gathered: int = 0  # full buffers of the gathered units
+    in_flight: int = 0  # collectives' buffers: flat gradients and new shards, receive rooms
+
+    @property
+    def total(self) -> int:
+        return self.traced + self.gathered + self.in_flight
+
+
+@dataclass
+class StepTimeline:
+    """The busiest moment of each phase of one traced step (bytes beyond the model state between steps)."""
+
+    peaks: dict[str, Moment] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def peak(self) -> Moment:
+        return max(self.peaks.values(), key=lambda m: m.total)
+
+    def fields(self) -> dict[str, Any]:
+        return {name: {**vars(m), "total": m.total} for name, m in self.peaks.items()}
+
+
+class LiveStorages(TorchDispatchMode):
+    """Counts the bytes of every storage an op under it makes, from then until Python frees it; after each op,
+    ``sample()`` is told."""
+
+    def __init__(self, sample: Callable[..., None], model_state: list[Tensor]) -> None:
+        super().__init__()
+        self.sample = sample
+        self.live: dict[int, int] = {}  # id of the storage -> its bytes
+        self.state = {id(t.untyped_storage()) for t in model_state}  # the parameters' and buffers': not counted
+
+    @property
+    def total(self) -> int:
+        return sum(self.live.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, Tensor):
+                self._watch(tensor.untyped_storage())
+        self.sample(str(func.overloadpacket), op=True)
+        return out
+
+    def _watch(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key not in self.live and key not in self.state:
+            self.live[key] = storage.nbytes()
+            weakref.finalize(storage, self.live.pop, key, None)
+
+
+class StandInUnit:
+    """What sharding/hooks.py reads and writes on a unit (sharding/unit.py's ``Unit``), for a unit of bytes."""
+
+    def __init__(self, name: str, modules: list[nn.Module], params: list[nn.Parameter], size: UnitBytes) -> None:
+        self.name, self.modules, self.params, self.size = name, modules, params, size
+        self.is_root = name == ROOT
+        self.grad_flat_params = [p for p in params if p.requires_grad]
+        self.training = TrainingState.IDLE
+        self.forwarded = 0
+        self.awaiting_post_backward = 0
+
+
+class EngineStandIn:
+    """ShardedModel's decisions (sharding/sharded_model.py) on units of bytes: what is gathered, what flies."""
+
+    def __init__(self, units: list[StandInUnit], config: ShardLabConfig, sample: Callable[..., None]) -> None:
+        self.units, self.config, self.sample = units, config, sample
+        self.root = units[0]
+        self.gathered: set[StandInUnit] = {self.root}  # held for the step
+        self.gathering: set[StandInUnit] = set()  # prefetched, not waited yet
+        self.last_order = units[1:]  # last step's forward order
+        self.order: list[StandInUnit] = []
+        self.in_flight: list[StandInUnit] = []  # reductions not waited yet
+        self.phase = "forward"
+        self._prefetch(self.last_order[:1])
+
+    @property
+    def gathered_bytes(self) -> int:
+        return sum(u.size.gathered for u in self.gathered)
+
+    @property
+    def in_flight_bytes(self) -> int:
+        return sum(u.size.gathering for u in self.gathering) + sum(u.size.reducing for u in self.in_flight)
+
+    def _prefetch(self, units: list[StandInUnit]) -> None:
+        if self.config.stage is Stage.PARAMETERS:
+            for unit in units:
+                if unit not in self.gathered:
+                    self.gathered.add(unit)
+                    self.gathering.add(unit)
+
+    def _unshard(self, unit: StandInUnit) -> None:
+        self._prefetch([unit])
+        self.sample(f"gathered {unit.name}")
+        self.gathering.discard(unit)
+
+    def _after(self, unit: StandInUnit, order: list[StandInUnit]) -> list[StandInUnit]:
+        i = order.index(unit) if unit in order else len(order)
+        return order[i + 1 : i + 2]
+
+    def pre_forward(self, unit: StandInUnit) -> None:
+        if unit.is_root:
+            return
+        self._unshard(unit)
+        self.order.append(unit)
+        self._prefetch(self._after(unit, self.last_order))
+        self.sample(f"pre_forward {unit.name}")
+
+    def post_forward(self, unit: StandInUnit) -> None:
+        last = self.last_order[-1] if self.last_order else None
+        if not unit.is_root and self.config.reshard_after_forward and unit is not last:
+            self._reshard(unit)
+
+    def _reshard(self, unit: StandInUnit) -> None:
+        if self.config.stage is Stage.PARAMETERS and unit is not self.root:
+            self.gathered.discard(unit)
+            self.gathering.discard(unit)
+
+    def pre_backward(self, unit: StandInUnit) -> None:
+        self._unshard(unit)
+        if not unit.is_root:
+            self._prefetch(self._after(unit, self.order[::-1]))
+        unit.training = TrainingState.BACKWARD
+        self.sample(f"pre_backward {unit.name}")
+
+    def post_backward(self, unit: StandInUnit) -> None:
+        unit.awaiting_post_backward = 0
+        if unit.training is not TrainingState.BACKWARD:
+            return
+        unit.training = TrainingState.GRADS_PENDING
+        if unit.grad_flat_params and self.config.stage >= Stage.GRADIENTS:
+            self._reduce(unit)
+        self._reshard(unit)
+
+    def _reduce(self, unit: StandInUnit) -> None:
+        limit = len(self.units) if self.config.stage is Stage.OPTIMIZER else MAX_REDUCTIONS_IN_FLIGHT
+        while len(self.in_flight) >= limit:
+            self.in_flight.pop(0)
+        self.in_flight.append(unit)  # the flat gradient is laid out while the params' gradients still live
+        self.sample(f"reduce-scatter {unit.name}")
+        for param in unit.params:
+            param.grad = None
+        unit.training = TrainingState.REDUCING
+
+    def finish_backward(self) -> None:
+        """The end of backward: units with no post-backward, then every pending reduction (the root's), waited."""
+        for unit in reversed(self.units):
+            if unit.training is TrainingState.BACKWARD:
+                self.post_backward(unit)
+        for unit in reversed(self.units):
+            if unit.training is TrainingState.GRADS_PENDING:
+                self._reduce(unit)
+        self.in_flight.clear()
+        self.sample("end of backward")
+
+
+# ---- the run ----
+
+
+class _Recorder:
+    """Samples traced + engine bytes at every op and event; keeps each phase's busiest moment."""
+
+    def __init__(self) -> None:
+        self.live: LiveStorages | None = None
+        self.engine: EngineStandIn | None = None
+        self.event = ""
+        self.timeline = StepTimeline()
+
+    def __call__(self, what: str, op: bool = False) -> None:
+        if self.live is None or self.engine is None:
+            return
+        if not op:
+            self.event = what
+        phase, engine = self.engine.phase, self.engine
+        where = f"{self.event}, {what}" if what != self.event else what
+        moment = Moment(phase, where, self.live.total, engine.gathered_bytes, engine.in_flight_bytes)
+        best = self.timeline.peaks.get(phase)
+        if best is None or moment.total > best.total:
+            self.timeline.peaks[phase] = moment
+
+
+def unit_params(model: nn.Module, paths: list[str], members: Callable[[str], list[str]]) -> dict[str, list]:
+    """Each unit's parameters (the root's: those of no other unit), a tied parameter in the first unit holding it."""
+    owner = {member: path for path in paths[1:] for member in members(path)}
+    out: dict[str, list] = {ROOT: [], **{path: [] for path in paths[1:]}}
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        prefixes = (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
+        out[next((owner[p] for p in prefixes if p in owner), ROOT)].append(param)
+    return out
+
+
+def step_timeline(
+    model: nn.Module,
+    config: ShardLabConfig,
+    sizes: dict[str, UnitBytes],
+    make_batch: Callable[[], Any],
+    step: Callable[[nn.Module, Any], Tensor],
+    precision: str = "32-true",
+) -> StepTimeline:
+    """The busiest moment of forward and of backward of one micro-batch of ``model`` (its tensors are not read) run
+    under fake tensors on the engine's schedule for ``config`` (its units, its ``activation_checkpointing``);
+    ``sizes``: each unit's bytes, by name ("root" first). ``make_batch()`` runs inside the fake mode."""
+    began = time.perf_counter()
+    choice = choose_units(model, config)
+    names = checkpointing.chosen_modules(model, config.activation_checkpointing, unit_members(choice), warn=False)
+    recorder, mode = _Recorder(), FakeTensorMode(allow_non_fake_inputs=True)
+    modes = {m: m.training for m in model.modules()}
+    with ExitStack() as stack:
+        stack.callback(lambda: [setattr(m, "training", t) for m, t in modes.items()])
+        model.train()
+        stack.enter_context(fake_parameters(model, mode, precision))
+        stack.callback(checkpointing.undo, model, checkpointing.apply(model, names))
+        params = unit_params(model, choice.paths, choice.modules_of)
+        units = [
+            StandInUnit(ROOT if not path else path, [model.get_submodule(m) for m in choice.modules_of(path)],
+                        params[ROOT if not path else path], sizes[ROOT if not path else path])
+            for path in choice.paths
+        ]  # fmt: skip
+        engine = EngineStandIn(units, config, recorder)
+        handles = [h for unit in units for h in hooks.install(engine, unit)]  # type: ignore[arg-type]
+        stack.callback(lambda: [h.remove() for h in handles])
+        stack.enter_context(mode)
+        stack.enter_context(torch.enable_grad())
+        state = [*model.parameters(), *model.buffers()]
+        recorder.live, recorder.engine = stack.enter_context(LiveStorages(recorder, state)), engine
+        with _compute(precision):
+            loss = step(model, make_batch())
+        engine.phase = "backward"
+        recorder("backward")
+        loss.backward()
+        engine.finish_backward()
+        del loss
+        for param in model.parameters():
+            param.grad = None
+        recorder.live = None
+    recorder.timeline.seconds = time.perf_counter() - began
+    return recorder.timeline
