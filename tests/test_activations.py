@@ -218,10 +218,10 @@ def test_gpt_and_llama_activations_and_step_peak_against_the_plan(tmp_path: Path
     (2) The step's peak the budget predicts (budget/step_peak_prediction.py: the layout's state + the busiest moment
     of the first batch's forward and backward run under fake tensors on the engine's schedule, budget/step_timeline.py)
     is within 10 % of the one measured on the first step after the warm-up, phase by phase and for the step
-    (measured: 1.000-1.017 of it over these 12 configurations). The plan (fits.py, what ``shardlab plan
-    --micro-batch-size B --seq-len T`` prints) runs the same step on the same schedule, without the verified gloo
-    wire's receive rooms (NCCL posts none): at most three rooms below the budget's (a reduce-scatter's from the peer,
-    two all-gathers' scratch rooms)."""
+    (measured: 1.000-1.002 of it over these 12 configurations; stages 1-3 in benchmarks/STEP_PEAK.md). The plan
+    (fits.py, what ``shardlab plan --micro-batch-size B --seq-len T`` prints) runs the same step on the same
+    schedule, without the verified gloo wire's receive rooms (NCCL posts none): at most three rooms below the
+    budget's (a reduce-scatter's from the peer, two all-gathers' scratch rooms)."""
     pytest.importorskip("transformers")
     ranks = run_ranks("tests.test_activations:predicted_and_measured", 2, {"directory": str(tmp_path)}, timeout=120)
     for rank, configs in enumerate(ranks):

@@ -31,7 +31,7 @@ from rich.console import Console
 from lightning_shardlab.budget.activation_prediction import meta_clone, predict_for_batch
 from lightning_shardlab.budget.activations import ActivationMeter
 from lightning_shardlab.budget.bars import write_bars
-from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, live_bytes, measure_memory
+from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, live_storages, measure_memory
 from lightning_shardlab.budget.report import Measured, Run, rank_report
 from lightning_shardlab.budget.step_peak import StepPeak
 from lightning_shardlab.budget.step_peak_prediction import predict_step_peak, timeline_for_batch
@@ -175,7 +175,7 @@ class ShardLabBudget(L.Callback):
         if self.measure_step_peak and self._warmed_up and not self.peaks and self.step_peak is None:
             self.step_peak = StepPeak(run.sharded.comm.device)
             self.step_peak.start(
-                live_bytes(run.sharded.flat_params, run.optimizers, batch),
+                live_storages(run.sharded.flat_params, run.optimizers, batch),
                 "step" if run is self.fabric_run else "forward",
             )
         self._started = time.perf_counter()

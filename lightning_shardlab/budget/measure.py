@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_leaves
@@ -67,9 +68,16 @@ def _padding_bytes(fp: FlatParam) -> int:
     return held * fp.layout.dtype.itemsize + grads
 
 
-def live_bytes(flat_params: list[FlatParam], optimizers: Iterable[Optimizer] = (), batch: Any = None) -> int:
-    """Every byte of model state this rank holds right now (padding included once, inside its tensors), and the
-    batch's tensors: what is live as a step starts (budget/step_peak.py)."""
-    seen: set[int] = set()
-    held = sum(_storage_bytes(tensors, seen) for tensors in category_tensors(flat_params, optimizers).values())
-    return held + _storage_bytes([t for t in tree_leaves(batch) if isinstance(t, Tensor)], seen)
+def live_storages(
+    flat_params: list[FlatParam], optimizers: Iterable[Optimizer] = (), batch: Any = None
+) -> list[torch.UntypedStorage]:
+    """Every storage of model state this rank holds right now, and the batch's, each once: what is live as a step
+    starts (budget/step_peak.py)."""
+    tensors = [t for ts in category_tensors(flat_params, optimizers).values() for t in ts]
+    tensors += [t for t in tree_leaves(batch) if isinstance(t, Tensor)]
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() and not t.is_meta:
+            storages.setdefault(storage.data_ptr(), storage)
+    return list(storages.values())

@@ -9,10 +9,12 @@ warm-up) ``StepPeak`` measures the largest total of live tensor bytes inside eac
   real tensors (the engine's flat parameters, gradients, master weights, the optimizers' state, and the batch:
   budget/measure.py), plus every allocation and free the step makes, as torch's profiler reports them with
   ``profile_memory=True`` (its ``Allocation`` events: each CPU allocation and free through torch's allocator,
-  with its size). The phases are ``record_function`` ranges opened and closed from the budget's hooks; a phase's
-  peak is the start's bytes plus the largest running sum of those events within it. (The profiler's own
-  per-tensor timeline leaves out tensors that live through the step without an op it follows, such as parts of
-  the optimizer state, so it is not used for the total.)
+  with its size), plus the frees of what was live at the start, which the profiler does not report (it knows
+  the size of blocks allocated while it runs only): each of those storages is watched (``weakref.finalize``)
+  and its free timed on the profiler's clock. The phases are ``record_function`` ranges opened and closed from
+  the budget's hooks; a phase's peak is the start's bytes plus the largest running sum of those events within
+  it. (The profiler's own per-tensor timeline leaves out tensors that live through the step without an op it
+  follows, such as parts of the optimizer state, so it is not used for the total.)
 
 The profiled step runs slower (the profiler records every op), so it is left out of the timings; it is the first
 step after the warm-up (optimizer state made, prefetch order known), and it is opt-in:
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
+import weakref
 from typing import Any
 
 import torch
@@ -41,12 +45,15 @@ class StepPeak:
         self.profiler: Any = None
         self.gpu_peaks: dict[str, int] = {}
         self.at_start = 0
+        self.freed: list[tuple[int, int]] = []  # (ns, -bytes): the frees of what was live at the start (CPU)
+        self._watched: list[weakref.finalize] = []
 
-    def start(self, at_start: int, first: str = PHASES[0]) -> None:
+    def start(self, live: list[torch.UntypedStorage], first: str = PHASES[0]) -> None:
         """The step begins with phase ``first`` (a Fabric loop, whose phases the budget does not see: "step"), with
-        ``at_start`` bytes live (read from the real tensors; used on CPU)."""
-        self.at_start = at_start
+        the storages in ``live`` live (read from the real tensors; used on CPU)."""
+        self.at_start = sum(storage.nbytes() for storage in live)
         if self.device.type != "cuda":
+            self._watched = [weakref.finalize(storage, self._free, storage.nbytes()) for storage in live]
             from torch.profiler import ProfilerActivity, profile
 
             self.profiler = profile(
@@ -79,12 +86,17 @@ class StepPeak:
         if self.device.type == "cuda":
             return {name: {"peak": peak, "by_category": {}} for name, peak in self.gpu_peaks.items()}
         self.profiler.__exit__(None, None, None)
-        return phase_peaks(self.profiler, self.at_start)
+        for watched in self._watched:
+            watched.detach()
+        return phase_peaks(self.profiler, self.at_start, self.freed)
+
+    def _free(self, nbytes: int) -> None:
+        self.freed.append((time.time_ns(), -nbytes))  # the profiler's events are timed in ns since the epoch
 
 
-def phase_peaks(profiler: Any, at_start: int) -> dict[str, dict[str, Any]]:
+def phase_peaks(profiler: Any, at_start: int, freed: list[tuple[int, int]]) -> dict[str, dict[str, Any]]:
     """Each marked phase's largest live CPU total in a profiled step: ``at_start`` plus the running sum of the
-    step's allocations (+) and frees (-) at its largest inside the phase."""
+    step's allocations (+) and frees (-), ``freed`` among them, at its largest inside the phase."""
     from torch.profiler._memory_profiler import _EventType
 
     windows, changes = {}, []
@@ -95,7 +107,7 @@ def phase_peaks(profiler: Any, at_start: int) -> dict[str, dict[str, Any]]:
         elif event.typed[0] == _EventType.Allocation and event.typed[1].device.type == "cpu":
             changes.append((event.start_time_ns, event.typed[1].alloc_size))
     begin = min((start for start, _ in windows.values()), default=0)
-    changes = sorted(change for change in changes if change[0] >= begin)
+    changes = sorted(change for change in [*changes, *freed] if change[0] >= begin)
     times = [t for t, _ in changes]
     running = list(itertools.accumulate(nbytes for _, nbytes in changes))  # made since the step began
     out = {}

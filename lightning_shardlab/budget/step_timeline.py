@@ -24,10 +24,10 @@ backward, the root's. It counts bytes instead of moving them. Forward order is t
 step ran them, in a model whose forward runs its blocks in the order it registers them).
 
 On gloo the verified wire's receive rooms (comm/wire.py, ``Wire.receive_room``) count from a call's launch until
-it is waited; NCCL, and a plan, post none. The step's peak is then the model state the layout keeps on the device
-+ the largest of these moments (budget/step_peak_prediction.py for a run, budget/fits.py for a plan). Not traced:
-the optimizer's step (its temporaries are shard-sized), and what torch's checkpoint keeps beside a checkpointed
-module's inputs (the CPU RNG state, 5 kB each).
+it is waited; NCCL, and a plan, post none. What torch's checkpoint keeps beside a checkpointed module's inputs
+without an op making it (the CPU RNG state, 5 kB each) is added by hand. The step's peak is then the model state
+the layout keeps on the device + the largest of these moments (budget/step_peak_prediction.py for a run,
+budget/fits.py for a plan). Not traced: the optimizer's step (its temporaries are shard-sized).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from lightning_shardlab.budget.activations import ROOT
 from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding import checkpointing, hooks
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
-from lightning_shardlab.sharding.policy import choose_units
+from lightning_shardlab.sharding.policy import UnitChoice, choose_units
 from lightning_shardlab.sharding.sharded_model import MAX_REDUCTIONS_IN_FLIGHT
 from lightning_shardlab.sharding.unit import TrainingState
 
@@ -170,6 +170,7 @@ class EngineStandIn:
         self.last_order = units[1:]  # last step's forward order
         self.order: list[StandInUnit] = []
         self.in_flight: list[StandInUnit] = []  # reductions not waited yet
+        self.rng_states: dict[StandInUnit, int] = {}  # checkpointed modules' RNG states, by unit, until backward
         self.phase = "forward"
         self._prefetch(self.last_order[:1])
 
@@ -227,6 +228,7 @@ class EngineStandIn:
         if unit.training is not TrainingState.BACKWARD:
             return
         unit.training = TrainingState.GRADS_PENDING
+        self.rng_states.pop(unit, None)  # its recomputations are done
         if unit.grad_flat_params and self.config.stage >= Stage.GRADIENTS:
             self._reduce(unit)
         self._reshard(unit)
@@ -272,21 +274,50 @@ class _Recorder:
             self.event = what
         phase, engine = self.engine.phase, self.engine
         where = f"{self.event}, {what}" if what != self.event else what
-        moment = Moment(phase, where, self.live.total, engine.gathered_bytes, engine.in_flight_bytes)
+        traced = self.live.total + sum(engine.rng_states.values())
+        moment = Moment(phase, where, traced, engine.gathered_bytes, engine.in_flight_bytes)
         best = self.timeline.peaks.get(phase)
         if best is None or moment.total > best.total:
             self.timeline.peaks[phase] = moment
 
 
-def unit_params(model: nn.Module, paths: list[str], members: Callable[[str], list[str]]) -> dict[str, list]:
-    """Each unit's parameters (the root's: those of no other unit), a tied parameter in the first unit holding it."""
-    owner = {member: path for path in paths[1:] for member in members(path)}
-    out: dict[str, list] = {ROOT: [], **{path: [] for path in paths[1:]}}
+def owning_unit(name: str, owner: dict[str, str]) -> str:
+    """The unit whose module holds the module or parameter ``name`` (``owner``: each unit's modules -> the unit)."""
+    parts = name.split(".")
+    prefixes = (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+    return next((owner[p] for p in prefixes if p in owner), ROOT)
+
+
+def stand_ins(model: nn.Module, choice: UnitChoice, sizes: dict[str, UnitBytes]) -> list[StandInUnit]:
+    """A stand-in per unit, the root first: its modules, its parameters (a tied one in the first unit holding it)."""
+    owner = {member: path for path in choice.paths[1:] for member in choice.modules_of(path)}
+    params: dict[str, list] = {ROOT: [], **{path: [] for path in choice.paths[1:]}}
     for name, param in model.named_parameters():
-        parts = name.split(".")
-        prefixes = (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
-        out[next((owner[p] for p in prefixes if p in owner), ROOT)].append(param)
-    return out
+        params[owning_unit(name.rpartition(".")[0], owner)].append(param)
+    return [
+        StandInUnit(path or ROOT, [model.get_submodule(m) for m in choice.modules_of(path)], params[path or ROOT],
+                    sizes[path or ROOT])
+        for path in choice.paths
+    ]  # fmt: skip
+
+
+def hook_rng_states(model: nn.Module, names: list[str], choice: UnitChoice, engine: EngineStandIn) -> list[Any]:
+    """What torch's checkpoint keeps beside a checkpointed module's inputs and no op makes: the CPU RNG state,
+    taken as the module's forward runs, kept until its recomputation (counted until its unit's post-backward)."""
+    owner = {member: path for path in choice.paths[1:] for member in choice.modules_of(path)}
+    units = {unit.name: unit for unit in engine.units}
+    nbytes = torch.get_rng_state().nbytes
+
+    def keep(unit: StandInUnit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if torch.is_grad_enabled():
+                engine.rng_states[unit] = engine.rng_states.get(unit, 0) + nbytes
+
+        return hook
+
+    return [
+        model.get_submodule(name).register_forward_pre_hook(keep(units[owning_unit(name, owner)])) for name in names
+    ]
 
 
 def step_timeline(
@@ -310,14 +341,9 @@ def step_timeline(
         model.train()
         stack.enter_context(fake_parameters(model, mode, precision))
         stack.callback(checkpointing.undo, model, checkpointing.apply(model, names))
-        params = unit_params(model, choice.paths, choice.modules_of)
-        units = [
-            StandInUnit(ROOT if not path else path, [model.get_submodule(m) for m in choice.modules_of(path)],
-                        params[ROOT if not path else path], sizes[ROOT if not path else path])
-            for path in choice.paths
-        ]  # fmt: skip
-        engine = EngineStandIn(units, config, recorder)
-        handles = [h for unit in units for h in hooks.install(engine, unit)]  # type: ignore[arg-type]
+        engine = EngineStandIn(stand_ins(model, choice, sizes), config, recorder)
+        handles = [h for unit in engine.units for h in hooks.install(engine, unit)]  # type: ignore[arg-type]
+        handles += hook_rng_states(model, names, choice, engine)
         stack.callback(lambda: [h.remove() for h in handles])
         stack.enter_context(mode)
         stack.enter_context(torch.enable_grad())
