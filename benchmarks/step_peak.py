@@ -99,16 +99,17 @@ def measure(configs: list[tuple[str, int, int, int, bool]], directory: str) -> l
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| configuration | measured forward / backward / optimizer, kB | predicted forward / backward, kB |"
+        "| configuration | measured forward / backward / optimizer, kB | predicted forward / backward / optimizer, kB |"
         " measured / predicted (step) | the predicted moment | plan (no gloo rooms), kB |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
         m, p = r["measured"], r["predicted"]
         step = max(m.values()) / p["total"]
+        predicted = " / ".join(f"{p['by_phase'].get(k, 0) / 1e3:,.1f}" for k in ("forward", "backward", "optimizer"))
         lines.append(
             f"| {r['config']} | {m['forward'] / 1e3:,.1f} / {m['backward'] / 1e3:,.1f} / {m['optimizer'] / 1e3:,.1f}"
-            f" | {p['by_phase']['forward'] / 1e3:,.1f} / {p['by_phase']['backward'] / 1e3:,.1f} | {step:.3f} |"
+            f" | {predicted} | {step:.3f} |"
             f" {p['phase']}: {p['where']} | {r['planned'] / 1e3:,.1f} |"
         )
     return "\n".join(lines)

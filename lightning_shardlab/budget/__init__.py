@@ -12,6 +12,7 @@ tables.py        rank 0's tables of every rank's report
 bars.py          every rank's memory as a stacked bar, activations on top (shardlab_budget.png)
 step_peak.py     one step's peak of tensor memory by phase: the allocator (GPU), or live state + allocations (CPU)
 step_timeline.py the step's live bytes moment by moment: a fake forward and backward on the engine's own schedule
+optimizer_peak.py  the optimizer step's temporaries: the run's own optimizers stepped on fakes of its masters
 step_peak_prediction.py  the same peak predicted for the run: its layout's state + its first batch's timeline
 callback.py      ``ShardLabBudget``: measures each step (Trainer hooks, or a Fabric loop) and reports at the end
 plan.py          the same prediction for a run that has not happened: from a parameter count or a model's layout

@@ -32,6 +32,7 @@ from lightning_shardlab.budget.activation_prediction import meta_clone, predict_
 from lightning_shardlab.budget.activations import ActivationMeter
 from lightning_shardlab.budget.bars import write_bars
 from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, live_storages, measure_memory
+from lightning_shardlab.budget.optimizer_peak import optimizer_step_bytes
 from lightning_shardlab.budget.report import Measured, Run, rank_report
 from lightning_shardlab.budget.step_peak import StepPeak
 from lightning_shardlab.budget.step_peak_prediction import predict_step_peak, timeline_for_batch
@@ -79,6 +80,7 @@ class ShardLabBudget(L.Callback):
         self._clone: torch.nn.Module | None = None  # the module on the meta device, taken before sharding
         self.predicted_activations: dict[str, Any] = {}  # its first batch traced (budget/activation_prediction.py)
         self.predicted_timeline: Any = None  # ... and run on the engine's schedule (budget/step_timeline.py)
+        self.predicted_optimizer: Any = None  # the optimizers' step under fake tensors (budget/optimizer_peak.py)
         self.peaks: dict[str, dict[str, Any]] = {}
 
     # ---- a Fabric loop ----
@@ -163,6 +165,7 @@ class ShardLabBudget(L.Callback):
             if "step" in self.predicted_activations:
                 step = self.predicted_activations["step"]
                 self.predicted_timeline = timeline_for_batch(self._clone, batch, run.sharded, run.precision, step)
+                self.predicted_optimizer = optimizer_step_bytes(run.optimizers, run.sharded)
             self._clone = None
         self._batch_start(run, batch)
 
@@ -283,5 +286,5 @@ class ShardLabBudget(L.Callback):
             self.activations = None
         measured = Measured(self.last, training, step_seconds, steps, self.storage_io, activations, self.peaks)
         report = {**rank_report(run, measured), "activations_predicted": self.predicted_activations}
-        report["step_peak_predicted"] = predict_step_peak(report, self.predicted_timeline)
+        report["step_peak_predicted"] = predict_step_peak(report, self.predicted_timeline, self.predicted_optimizer)
         return report

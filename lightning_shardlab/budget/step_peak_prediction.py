@@ -5,7 +5,8 @@ matter — through the meta-device copy of the module (budget/activation_predict
 engine's schedule (budget/step_timeline.py), with each unit's bytes read from the run's own flat-parameter
 layouts and, on gloo, the receive rooms of its verified wire (``Wire.receive_room``). The predicted peak is then
 the model state the layout keeps on the device between steps (budget/predict.py's locations) + the busiest
-moment of that timeline; ``predict_step_peak`` says which moment and what it holds.
+moment of that timeline or of the optimizer's step (budget/optimizer_peak.py); ``predict_step_peak`` says which
+moment and what it holds.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightning_shardlab.budget.activation_trace import STEPS
-from lightning_shardlab.budget.step_timeline import StepTimeline, UnitBytes, no_rooms, step_timeline
+from lightning_shardlab.budget.step_timeline import Moment, StepTimeline, UnitBytes, no_rooms, step_timeline
 from lightning_shardlab.core.display import size
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
@@ -47,13 +48,21 @@ def timeline_for_batch(
         return {"error": f"{type(err).__name__}: {err}"}
 
 
-def predict_step_peak(report: dict[str, Any], timeline: StepTimeline | dict[str, str] | None) -> dict[str, Any] | None:
-    """The predicted peak: the layout's device state + the timeline's busiest moment, with that moment's parts
-    and each phase's; ``{"error": why}`` or None when there is no timeline."""
+def predict_step_peak(
+    report: dict[str, Any],
+    timeline: StepTimeline | dict[str, str] | None,
+    optimizer: int | dict[str, str] | None = None,
+) -> dict[str, Any] | None:
+    """The predicted peak: the layout's device state + the busiest moment of the timeline (forward, backward) and of
+    the optimizer step (``optimizer``: its bytes beyond the state, budget/optimizer_peak.py), with that moment's
+    parts and each phase's; ``{"error": why}`` or None when there is no timeline."""
     if not isinstance(timeline, StepTimeline):
         return timeline
     state = int(sum(report["locations_predicted"]["device"].values()))
-    moment = timeline.peak
+    moments = dict(timeline.peaks)
+    if isinstance(optimizer, int):
+        moments["optimizer"] = Moment("optimizer", "the optimizer's step, then the refresh", traced=optimizer)
+    moment = max(moments.values(), key=lambda m: m.total)
     parts = {"model_state": state, "traced": moment.traced, "gathered": moment.gathered, "in_flight": moment.in_flight}
     total = sum(parts.values())
     return {
@@ -61,7 +70,8 @@ def predict_step_peak(report: dict[str, Any], timeline: StepTimeline | dict[str,
         "total": total,
         "phase": moment.phase,
         "where": moment.where,
-        "by_phase": {name: state + m.total for name, m in timeline.peaks.items()},
+        "by_phase": {name: state + m.total for name, m in moments.items()},
+        "optimizer_error": optimizer.get("error") if isinstance(optimizer, dict) else None,
         "arithmetic": (
             f"{size(state, decimal=True)} state + {size(moment.traced, decimal=True)} traced (activations,"
             f" temporaries, gradients) + {size(moment.gathered, decimal=True)} gathered +"

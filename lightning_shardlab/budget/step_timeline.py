@@ -27,7 +27,7 @@ On gloo the verified wire's receive rooms (comm/wire.py, ``Wire.receive_room``) 
 it is waited; NCCL, and a plan, post none. What torch's checkpoint keeps beside a checkpointed module's inputs
 without an op making it (the CPU RNG state, 5 kB each) is added by hand. The step's peak is then the model state
 the layout keeps on the device + the largest of these moments (budget/step_peak_prediction.py for a run,
-budget/fits.py for a plan). Not traced: the optimizer's step (its temporaries are shard-sized).
+budget/fits.py for a plan); the optimizer's step is predicted apart (budget/optimizer_peak.py).
 """
 
 from __future__ import annotations

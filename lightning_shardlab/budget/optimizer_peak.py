@@ -1,0 +1,89 @@
+"""The optimizer step's peak predicted: what the run's own optimizers allocate while they step this rank's masters.
+
+The sharded optimizer steps the master views of this rank's slices (sharding/optimizer.py: the class's own update,
+on 1-D views of the master shards). ``optimizer_step_bytes`` builds, for each of the run's optimizers, an instance
+of its own class with its own param groups' options over fake tensors of those views' shapes and dtypes (with fake
+gradients), under ``FakeTensorMode``: nothing allocated. It steps once to make the state (as the first step of the
+run did), then again with every storage the second step makes watched (budget/step_timeline.py's
+``LiveStorages``): the largest total is the step's temporaries beside the state. Where a group leaves ``foreach``
+to torch, the real masters decide it (a GPU run takes the multi-tensor path, a CPU run the per-tensor one), not
+the fake ones. After the step, at stages 1-2 the resident full buffers are gathered again from the new shards,
+all at once (``ShardedModel.refresh``): on gloo their receive rooms are live then, once the update's temporaries
+are gone.
+
+With ``offload`` on a GPU the masters step in host memory, so the device sees none of it.
+A whole-tensor optimizer (Muon, Adafactor: sharding/optimizer.py) steps whole parameters on their owners, with
+exchanges around the update; it is not predicted here, and says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.optim import Optimizer
+from torch.optim.optimizer import _default_to_fused_or_foreach
+
+from lightning_shardlab.budget.step_timeline import LiveStorages, Rooms, no_rooms
+from lightning_shardlab.core.config import Stage
+from lightning_shardlab.sharding.sharded_model import ShardedModel
+
+
+def optimizer_step_bytes(optimizers: list[Optimizer], sharded: ShardedModel) -> int | dict[str, str]:
+    """Bytes beyond the model state at the busiest moment of an optimizer step: the largest of ``optimizers``'
+    updates, or the refresh's receive rooms after them (the update's temporaries are gone by then); ``{"error":
+    why}`` when it cannot be predicted."""
+    if any(getattr(opt, "_shardlab_whole", False) for opt in optimizers):
+        return {"error": "a whole-tensor optimizer's step (exchanges around the update) is not predicted"}
+    masters = sharded.masters_by_id()
+    on_host = sharded.config.offload != "none" and sharded.comm.device.type != "cpu"
+    try:  # offloaded masters step in host memory: none of it on the device
+        made = 0 if on_host else max((_stepped(opt, masters) for opt in optimizers), default=0)
+    except Exception as err:  # noqa: BLE001 - a prediction says why it is missing; it never stops the run
+        return {"error": f"{type(err).__name__}: {err}"}
+    wire = sharded.mesh.shard.wire
+    return max(made, refresh_rooms(sharded, wire.receive_room if wire is not None else no_rooms))
+
+
+def refresh_rooms(sharded: ShardedModel, rooms: Rooms) -> int:
+    """Stages 1-2: the receive rooms of every resident full buffer's all-gather after a step, in flight at once."""
+    if sharded.config.stage is Stage.PARAMETERS:
+        return 0
+    return sum(
+        rooms("all_gather", fp.layout.shard_numel * fp.full.element_size())
+        for fp in sharded.flat_params
+        if fp.layout.world_size > 1
+    )
+
+
+def _stepped(optimizer: Optimizer, masters: dict[int, nn.Parameter]) -> int:
+    """The most bytes ``optimizer``'s class makes at once in its second step over fakes of ``masters``."""
+    cls = next(c for c in type(optimizer).__mro__ if "_shardlab_sharded" not in c.__dict__)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    groups, state = [], []
+    for group in optimizer.param_groups:
+        real = [masters.get(id(p), p) for p in group["params"]]
+        options = {k: v for k, v in group.items() if k != "params"}
+        if options.get("foreach") is None and "foreach" in options:
+            options["foreach"] = _default_to_fused_or_foreach(real, differentiable=False, use_fused=False)[1]
+        with mode:
+            fakes = [nn.Parameter(torch.empty(m.shape, dtype=m.dtype, device="cpu")) for m in real]
+            for fake in fakes:
+                fake.grad = torch.zeros_like(fake)
+        groups.append({**options, "params": fakes})
+        state += [t for fake in fakes for t in (fake, fake.grad)]
+    stand_in = cls(groups)
+    with mode:
+        stand_in.step()  # the state, as the run's first step made it
+        state += [v for s in stand_in.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        peak = 0
+
+        def sample(*_: Any, **__: Any) -> None:
+            nonlocal peak
+            peak = max(peak, live.total)
+
+        with LiveStorages(sample, state) as live:
+            stand_in.step()
+    return peak
