@@ -192,7 +192,7 @@ def fake_parameters(model: nn.Module, mode: FakeTensorMode, precision: str) -> I
 
 
 @contextmanager
-def _compute(precision: str) -> Iterator[None]:
+def computing(precision: str) -> Iterator[None]:
     """Autocast (mixed precision) or bf16 as the default dtype (bf16-true), as common/precision.py runs forward."""
     with ExitStack() as stack:
         if precision in AUTOCAST:
@@ -346,7 +346,7 @@ def _first_step_that_runs(
         for attempt in steps:
             ledgers = _Ledgers(model, choice, checkpointed, params)
             try:
-                with mode, torch.enable_grad(), _compute(precision):
+                with mode, torch.enable_grad(), computing(precision):
                     batch = make_inputs(model, micro_batch_size, seq_len)
                     with torch.autograd.graph.saved_tensors_hooks(ledgers.pack, _unpack):
                         attempt(model, batch)

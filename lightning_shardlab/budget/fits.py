@@ -146,9 +146,9 @@ class Setting:
         key = (b, *sorted(changes.items()))
         if key not in self.timelines:
             config = dataclasses.replace(self.config, **changes)
-            group, _ = config.group_sizes(self.world_size, self.per_node or self.world_size)
+            group, reshard = config.group_sizes(self.world_size, self.per_node or self.world_size)
             sizes = {
-                name: UnitBytes.of(lays, config.stage, self._policy())
+                name: UnitBytes.of(lays, config.stage, self._policy(), reshard_size=reshard)
                 for name, lays in plan_units(self.model, config, group).layouts().items()
             }
             step = STEPS[self.trace(b).step]

@@ -25,10 +25,12 @@ from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 def unit_bytes(sharded: ShardedModel) -> dict[str, UnitBytes]:
     """Each unit's bytes for the timeline, from its real layouts; receive rooms from the shard group's wire."""
-    wire = sharded.mesh.shard.wire
-    rooms = wire.receive_room if wire is not None else no_rooms
+    mesh = sharded.mesh
+    rooms = mesh.shard.wire.receive_room if mesh.shard.wire is not None else no_rooms
+    k = mesh.reshard.world_size if mesh.regrouped else None
+    stage, policy = sharded.config.stage, sharded.policy
     return {
-        unit.name: UnitBytes.of([fp.layout for fp in unit.flat_params], sharded.config.stage, sharded.policy, rooms)
+        unit.name: UnitBytes.of([fp.layout for fp in unit.flat_params], stage, policy, rooms, k)
         for unit in sharded.units
     }
 

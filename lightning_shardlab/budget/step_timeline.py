@@ -45,7 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_shardlab.budget.activation_trace import _compute, fake_parameters, unit_members
+from lightning_shardlab.budget.activation_trace import computing, fake_parameters, unit_members
 from lightning_shardlab.budget.activations import ROOT
 from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding import checkpointing, hooks
@@ -72,20 +72,32 @@ class UnitBytes:
     gathered: int = 0  # its full buffers while gathered (stage 3; at stages 1-2 they are model state)
     gathering: int = 0  # the receive rooms of its all-gathers while they fly
     reducing: int = 0  # its flat gradients, new grad shards and receive rooms while the reduce-scatters fly
+    regrouped: int = 0  # reshard_after_forward=k: the group shards it keeps from its forward to its backward
+    regathering: int = 0  # ... and the receive rooms of backward's all-gathers from them, in the reshard group
 
     @staticmethod
-    def of(layouts: list[FlatParamLayout], stage: Stage, policy: PrecisionPolicy, rooms: Rooms = no_rooms) -> UnitBytes:
-        gathered = gathering = reducing = 0
+    def of(
+        layouts: list[FlatParamLayout],
+        stage: Stage,
+        policy: PrecisionPolicy,
+        rooms: Rooms = no_rooms,
+        reshard_size: int | None = None,
+        reshard_rooms: Rooms = no_rooms,
+    ) -> UnitBytes:
+        gathered = gathering = reducing = regrouped = regathering = 0
         for lay in layouts:
             compute = policy.compute_for(lay.dtype).itemsize
             if stage is Stage.PARAMETERS and lay.world_size > 1:
                 gathered += lay.padded_numel * compute
                 gathering += rooms("all_gather", lay.shard_numel * compute)
+                if reshard_size:
+                    regrouped += lay.padded_numel // reshard_size * compute
+                    regathering += reshard_rooms("all_gather", lay.padded_numel // reshard_size * compute)
             if lay.requires_grad:
                 reduce = (policy.reduce_dtype or policy.compute_for(lay.dtype)).itemsize
                 reducing += (lay.padded_numel + lay.shard_numel) * reduce
                 reducing += rooms("reduce_scatter", lay.shard_numel * reduce) if lay.world_size > 1 else 0
-        return UnitBytes(gathered, gathering, reducing)
+        return UnitBytes(gathered, gathering, reducing, regrouped, regathering)
 
 
 @dataclass
@@ -114,9 +126,6 @@ class StepTimeline:
     def peak(self) -> Moment:
         return max(self.peaks.values(), key=lambda m: m.total)
 
-    def fields(self) -> dict[str, Any]:
-        return {name: {**vars(m), "total": m.total} for name, m in self.peaks.items()}
-
 
 class LiveStorages(TorchDispatchMode):
     """Counts the bytes of every storage an op under it makes, from then until Python frees it; after each op,
@@ -126,11 +135,8 @@ class LiveStorages(TorchDispatchMode):
         super().__init__()
         self.sample = sample
         self.live: dict[int, int] = {}  # id of the storage -> its bytes
+        self.total = 0  # their sum
         self.state = {id(t.untyped_storage()) for t in model_state}  # the parameters' and buffers': not counted
-
-    @property
-    def total(self) -> int:
-        return sum(self.live.values())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -144,7 +150,11 @@ class LiveStorages(TorchDispatchMode):
         key = id(storage)
         if key not in self.live and key not in self.state:
             self.live[key] = storage.nbytes()
-            weakref.finalize(storage, self.live.pop, key, None)
+            self.total += self.live[key]
+            weakref.finalize(storage, self._freed, key)
+
+    def _freed(self, key: int) -> None:
+        self.total -= self.live.pop(key, 0)
 
 
 class StandInUnit:
@@ -167,6 +177,7 @@ class EngineStandIn:
         self.root = units[0]
         self.gathered: set[StandInUnit] = {self.root}  # held for the step
         self.gathering: set[StandInUnit] = set()  # prefetched, not waited yet
+        self.regrouped: set[StandInUnit] = set()  # keeping group shards for backward (reshard_after_forward=k)
         self.last_order = units[1:]  # last step's forward order
         self.order: list[StandInUnit] = []
         self.in_flight: list[StandInUnit] = []  # reductions not waited yet
@@ -176,11 +187,12 @@ class EngineStandIn:
 
     @property
     def gathered_bytes(self) -> int:
-        return sum(u.size.gathered for u in self.gathered)
+        return sum(u.size.gathered for u in self.gathered) + sum(u.size.regrouped for u in self.regrouped)
 
     @property
     def in_flight_bytes(self) -> int:
-        return sum(u.size.gathering for u in self.gathering) + sum(u.size.reducing for u in self.in_flight)
+        gathering = sum(u.size.regathering if u in self.regrouped else u.size.gathering for u in self.gathering)
+        return gathering + sum(u.size.reducing for u in self.in_flight)
 
     def _prefetch(self, units: list[StandInUnit]) -> None:
         if self.config.stage is Stage.PARAMETERS:
@@ -209,12 +221,13 @@ class EngineStandIn:
     def post_forward(self, unit: StandInUnit) -> None:
         last = self.last_order[-1] if self.last_order else None
         if not unit.is_root and self.config.reshard_after_forward and unit is not last:
-            self._reshard(unit)
+            self._reshard(unit, regroup=bool(unit.size.regrouped))
 
-    def _reshard(self, unit: StandInUnit) -> None:
+    def _reshard(self, unit: StandInUnit, regroup: bool = False) -> None:
         if self.config.stage is Stage.PARAMETERS and unit is not self.root:
             self.gathered.discard(unit)
             self.gathering.discard(unit)
+            (self.regrouped.add if regroup else self.regrouped.discard)(unit)
 
     def pre_backward(self, unit: StandInUnit) -> None:
         self._unshard(unit)
@@ -349,7 +362,7 @@ def step_timeline(
         stack.enter_context(torch.enable_grad())
         state = [*model.parameters(), *model.buffers()]
         recorder.live, recorder.engine = stack.enter_context(LiveStorages(recorder, state)), engine
-        with _compute(precision):
+        with computing(precision):
             loss = step(model, make_batch())
         engine.phase = "backward"
         recorder("backward")
