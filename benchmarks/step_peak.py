@@ -110,7 +110,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['config']} | {m['forward'] / 1e3:,.1f} / {m['backward'] / 1e3:,.1f} / {m['optimizer'] / 1e3:,.1f}"
             f" | {predicted} | {step:.3f} |"
-            f" {p['phase']}: {p['where']} | {r['planned'] / 1e3:,.1f} |"
+            f" {p['where']} | {r['planned'] / 1e3:,.1f} |"
         )
     return "\n".join(lines)
 

@@ -35,9 +35,10 @@ from typing import Any
 from torch import nn
 
 from lightning_shardlab.budget.activation_trace import STEPS, ActivationTrace, token_batch, trace_activations
+from lightning_shardlab.budget.optimizer_peak import planned_step_temporaries
 from lightning_shardlab.budget.plan import COMPUTE, Plan, link_seconds, plan_model
 from lightning_shardlab.budget.predict import DEVICES, Interconnect, predict_traffic
-from lightning_shardlab.budget.step_timeline import StepTimeline, UnitBytes, step_timeline
+from lightning_shardlab.budget.step_timeline import Moment, StepTimeline, UnitBytes, step_timeline
 from lightning_shardlab.core.config import DTYPES, Accumulation, PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.core.display import size
 from lightning_shardlab.sharding.policy import plan_units
@@ -73,7 +74,10 @@ class PlannedPeak:
 def step_peak(setting: Setting, plan: Plan, micro_batch_size: int | None = None, **changes: Any) -> PlannedPeak:
     """``plan``'s device-resident state with the busiest moment of the setting's step with ``changes`` to the
     strategy options (the ones ``plan`` was made with) and a micro-batch of ``micro_batch_size``."""
-    moment = setting.timeline(micro_batch_size, **changes).peak
+    moments = dict(setting.timeline(micro_batch_size, **changes).peaks)
+    step = setting.optimizer_bytes(**changes)
+    moments["optimizer"] = Moment("optimizer", "the optimizer's step", traced=step)
+    moment = max(moments.values(), key=lambda m: m.total)
     return PlannedPeak(
         model_state=plan.device_bytes - plan.gathered_peak,
         traced=float(moment.traced),
@@ -117,7 +121,7 @@ class Setting:
     device: str = "h100"  # for the recomputation's time
     mfu: float = 0.4
     traces: dict[int, ActivationTrace] = field(default_factory=dict)
-    timelines: dict[tuple, StepTimeline] = field(default_factory=dict)
+    timelines: dict[tuple, Any] = field(default_factory=dict)  # step timelines, and optimizer steps' bytes
 
     @property
     def checkpointing(self) -> bool:
@@ -154,6 +158,16 @@ class Setting:
             step = STEPS[self.trace(b).step]
             make = functools.partial(token_batch, self.model, b, self.seq_len)
             self.timelines[key] = step_timeline(self.model, config, sizes, make, step, self.precision)
+        return self.timelines[key]
+
+    def optimizer_bytes(self, **changes: Any) -> int:
+        """The optimizer step's temporaries on the device with ``changes`` (none offloaded); each setting once."""
+        key = ("optimizer", *sorted(changes.items()))
+        if key not in self.timelines:
+            config = dataclasses.replace(self.config, **changes)
+            group, _ = config.group_sizes(self.world_size, self.per_node or self.world_size)
+            layouts = [lay for lays in plan_units(self.model, config, group).layouts().values() for lay in lays]
+            self.timelines[key] = 0 if config.offload != "none" else planned_step_temporaries(self.optimizer, layouts)
         return self.timelines[key]
 
     def _policy(self) -> PrecisionPolicy:

@@ -12,6 +12,9 @@ all at once (``ShardedModel.refresh``): on gloo their receive rooms are live the
 are gone.
 
 With ``offload`` on a GPU the masters step in host memory, so the device sees none of it.
+A plan (budget/fits.py) does the same with torch's class its ``--optimizer`` names, over one 1-D master per
+flat parameter's shard, on the multi-tensor path a GPU takes.
+
 A whole-tensor optimizer (Muon, Adafactor: sharding/optimizer.py) steps whole parameters on their owners, with
 exchanges around the update; it is not predicted here, and says so.
 """
@@ -28,6 +31,8 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from lightning_shardlab.budget.step_timeline import LiveStorages, Rooms, no_rooms
 from lightning_shardlab.core.config import Stage
+from lightning_shardlab.sharding.flat_param import FlatParamLayout
+from lightning_shardlab.sharding.optimizer import STATE_TENSORS
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 
@@ -58,25 +63,55 @@ def refresh_rooms(sharded: ShardedModel, rooms: Rooms) -> int:
     )
 
 
+def elementwise_class(name: str) -> type[Optimizer] | None:
+    """torch's elementwise optimizer class ``name`` names (any case: 'adamw', 'sgd'), else None."""
+    key = {n.lower(): n for n in STATE_TENSORS}.get(name.lower())
+    return getattr(torch.optim, key) if key is not None else None
+
+
+def planned_step_temporaries(name: str, layouts: list[FlatParamLayout]) -> int:
+    """A plan's optimizer step (``shardlab plan --optimizer NAME``) over the trained flat parameters' shards, one
+    1-D master each, on the multi-tensor path a GPU takes (SGD with momentum, as the plan's state counts it); 0 for
+    a whole-tensor optimizer, which is not predicted."""
+    cls = elementwise_class(name)
+    if cls is None:
+        return 0
+    options: dict[str, Any] = {"foreach": True, **({"momentum": 0.9} if cls is torch.optim.SGD else {})}
+    shapes = [(torch.Size([lay.shard_numel]), lay.dtype) for lay in layouts if lay.requires_grad]
+    return step_temporaries(cls, [(options, shapes)]) if shapes else 0
+
+
+Group = tuple[dict[str, Any], list[tuple[torch.Size, torch.dtype]]]  # (a param group's options, its params' shapes)
+
+
 def _stepped(optimizer: Optimizer, masters: dict[int, nn.Parameter]) -> int:
     """The most bytes ``optimizer``'s class makes at once in its second step over fakes of ``masters``."""
     cls = next(c for c in type(optimizer).__mro__ if "_shardlab_sharded" not in c.__dict__)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    groups, state = [], []
+    groups = []
     for group in optimizer.param_groups:
         real = [masters.get(id(p), p) for p in group["params"]]
         options = {k: v for k, v in group.items() if k != "params"}
         if options.get("foreach") is None and "foreach" in options:
             options["foreach"] = _default_to_fused_or_foreach(real, differentiable=False, use_fused=False)[1]
-        with mode:
-            fakes = [nn.Parameter(torch.empty(m.shape, dtype=m.dtype, device="cpu")) for m in real]
+        groups.append((options, [(m.shape, m.dtype) for m in real]))
+    return step_temporaries(cls, groups)
+
+
+def step_temporaries(cls: type[Optimizer], groups: list[Group]) -> int:
+    """The most bytes an optimizer of class ``cls`` makes at once in its second step over fake parameters of
+    ``groups``' shapes and dtypes (the first step makes its state, as a run's first step did)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_groups, state = [], []
+    with mode:
+        for options, shapes in groups:
+            fakes = [nn.Parameter(torch.empty(shape, dtype=dtype, device="cpu")) for shape, dtype in shapes]
             for fake in fakes:
                 fake.grad = torch.zeros_like(fake)
-        groups.append({**options, "params": fakes})
-        state += [t for fake in fakes for t in (fake, fake.grad)]
-    stand_in = cls(groups)
+            fake_groups.append({**options, "params": fakes})
+            state += [t for fake in fakes for t in (fake, fake.grad)]
+    stand_in = cls(fake_groups)
     with mode:
-        stand_in.step()  # the state, as the run's first step made it
+        stand_in.step()
         state += [v for s in stand_in.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         peak = 0
 

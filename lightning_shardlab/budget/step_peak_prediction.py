@@ -11,6 +11,7 @@ moment and what it holds.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -18,8 +19,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightning_shardlab.budget.activation_trace import STEPS
+from lightning_shardlab.budget.fits import PlannedPeak
 from lightning_shardlab.budget.step_timeline import Moment, StepTimeline, UnitBytes, no_rooms, step_timeline
-from lightning_shardlab.core.display import size
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 
@@ -65,20 +66,12 @@ def predict_step_peak(
     if isinstance(optimizer, int):
         moments["optimizer"] = Moment("optimizer", "the optimizer's step, then the refresh", traced=optimizer)
     moment = max(moments.values(), key=lambda m: m.total)
-    parts = {"model_state": state, "traced": moment.traced, "gathered": moment.gathered, "in_flight": moment.in_flight}
-    total = sum(parts.values())
+    peak = PlannedPeak(state, moment.traced, moment.gathered, moment.in_flight, f"{moment.phase}: {moment.where}")
     return {
-        **parts,
-        "total": total,
-        "phase": moment.phase,
-        "where": moment.where,
+        **dataclasses.asdict(peak),
+        "total": peak.total,
+        "arithmetic": peak.arithmetic(),
         "by_phase": {name: state + m.total for name, m in moments.items()},
         "optimizer_error": optimizer.get("error") if isinstance(optimizer, dict) else None,
-        "arithmetic": (
-            f"{size(state, decimal=True)} state + {size(moment.traced, decimal=True)} traced (activations,"
-            f" temporaries, gradients) + {size(moment.gathered, decimal=True)} gathered +"
-            f" {size(moment.in_flight, decimal=True)} in flight = {size(total, decimal=True)}, at {moment.phase}:"
-            f" {moment.where}"
-        ),
         "seconds": timeline.seconds,
     }
