@@ -3,13 +3,14 @@
     python -m benchmarks.step_peak             # writes benchmarks/STEP_PEAK.md
     python -m benchmarks.step_peak --quick     # the example GPT at stage 3 only, printed
 
-Two CPU ranks (gloo), fp32 AdamW, two optimizer steps per configuration, ``ShardLabBudget(step_peak=True)``:
-measured on the first step after the warm-up (budget/step_peak.py: on CPU, what is live as the step starts, read
-from the real tensors, plus every allocation and free the step makes), predicted from the first batch run under
-fake tensors on the engine's schedule (budget/step_timeline.py, budget/step_peak_prediction.py). Beside them, the
-plan's step peak for the same model and shape (budget/fits.py: the same timeline without gloo's receive rooms, as
-``shardlab plan --micro-batch-size B --seq-len T`` prints it). Models: the example GPT and a Hugging Face Llama
-built from its config (4 layers each, one unit per block). The optimizer step is measured, not predicted.
+Two CPU ranks (gloo; four for ``reshard_after_forward=2``), fp32 AdamW, two optimizer steps per configuration,
+``ShardLabBudget(step_peak=True)``: measured on the first step after the warm-up (budget/step_peak.py: on CPU, what
+is live as the step starts, read from the real tensors, plus every allocation and free the step makes), predicted
+from the first batch run under fake tensors on the engine's schedule and the optimizers' step on fakes of this
+rank's masters (budget/step_timeline.py, budget/optimizer_peak.py, budget/step_peak_prediction.py). Beside them,
+the plan's step peak for the same model and shape (budget/fits.py: the same timeline without gloo's receive rooms,
+as ``shardlab plan --micro-batch-size B --seq-len T`` prints it). Models: the example GPT and a Hugging Face Llama
+built from its config (4 layers each, one unit per block).
 """
 
 from __future__ import annotations
@@ -62,37 +63,41 @@ def build(name: str) -> tuple[L.LightningModule, type]:
     return Llama(), LlamaDecoderLayer
 
 
-def planned_peak(name: str, strategy: ShardLabStrategy, b: int, t: int) -> float:
+def planned_peak(name: str, strategy: ShardLabStrategy, b: int, t: int, world: int) -> float:
     from lightning_shardlab.budget.fits import Setting, step_peak
     from lightning_shardlab.budget.plan import plan_model
     from lightning_shardlab.budget.predict import INTERCONNECTS
 
     link = INTERCONNECTS["nvlink"]  # no memory figure depends on it
-    setting = Setting(build(name)[0], strategy.config, 2, "32-true", "adamw", link, link, name, b, t)
-    plan = plan_model(setting.model, strategy.config, 2, "32-true", "adamw", link, name)
+    setting = Setting(build(name)[0], strategy.config, world, "32-true", "adamw", link, link, name, b, t)
+    plan = plan_model(setting.model, strategy.config, world, "32-true", "adamw", link, name)
     return step_peak(setting, plan).total
 
 
-def measure(configs: list[tuple[str, int, int, int, bool]], directory: str) -> list[dict[str, Any]]:
+def measure(configs: list[tuple], directory: str, devices: int = 2) -> list[dict[str, Any]]:
+    """Each of ``configs`` (model, stage, micro-batch, sequence length, checkpointing[, strategy options])."""
     out = []
-    for name, stage, b, t, checkpointing in configs:
+    for name, stage, b, t, checkpointing, *more in configs:
+        options = more[0] if more else {}
         model, block = build(name)
         strategy = ShardLabStrategy(
-            stage=stage, unit_classes=[block], sanity_every_n_steps=0, activation_checkpointing=checkpointing
+            stage=stage, unit_classes=[block], sanity_every_n_steps=0, activation_checkpointing=checkpointing, **options
         )
         ids = torch.randint(0, VOCAB, (4 * b, t + 1), generator=torch.Generator().manual_seed(0))
         budget = ShardLabBudget(step_peak=True)
         trainer = L.Trainer(
-            accelerator="cpu", devices=2, strategy=strategy, max_steps=2, callbacks=[budget],
+            accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, callbacks=[budget],
             default_root_dir=f"{directory}/{name}-{stage}-{b}x{t}-{checkpointing}", **QUIET,
         )  # fmt: skip
         trainer.fit(model, DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=b))
         report = budget.reports[trainer.global_rank]
         out.append({
-            "config": f"{name} stage {stage} {b}x{t}{' ckpt' if checkpointing else ''}",
+            "config": f"{name} stage {stage} {b}x{t}{' ckpt' if checkpointing else ''}"
+            + "".join(f" {k}={v}" for k, v in options.items())
+            + (f" ({devices} ranks)" if devices != 2 else ""),
             "measured": {phase: v["peak"] for phase, v in report["step_peak_measured"].items()},
             "predicted": report["step_peak_predicted"],
-            "planned": planned_peak(name, strategy, b, t),
+            "planned": planned_peak(name, strategy, b, t, devices),
         })  # fmt: skip
     return out
 
@@ -131,12 +136,16 @@ def main() -> None:
         ]
     import tempfile
 
+    regrouped = [("gpt", 3, 2, 64, ckpt, {"reshard_after_forward": 2}) for ckpt in (False, True)]
     with tempfile.TemporaryDirectory() as directory:
         rows = run_ranks(measure, 2, {"configs": configs, "directory": directory})[0]
+        if not args.quick:  # backward gathers in reshard groups of 2 inside a shard group of 4
+            rows += run_ranks(measure, 4, {"configs": regrouped, "directory": directory, "devices": 4})[0]
     ratios = [max(r["measured"].values()) / r["predicted"]["total"] for r in rows]
     text = (
         "# The step's peak: predicted against measured\n\n"
-        "`python -m benchmarks.step_peak` (2 CPU ranks, gloo, fp32 AdamW; rank 0's figures). Measured on the first"
+        "`python -m benchmarks.step_peak` (2 CPU ranks, 4 for `reshard_after_forward=2`, gloo, fp32 AdamW; rank 0's"
+        " figures). Measured on the first"
         " step after the warm-up; predicted from the first batch run under fake tensors on the engine's schedule."
         f" Measured / predicted over {len(rows)} configurations: {min(ratios):.3f}-{max(ratios):.3f}.\n\n"
         + table(rows)
