@@ -3,13 +3,14 @@
     python -m benchmarks.step_peak             # writes benchmarks/STEP_PEAK.md
     python -m benchmarks.step_peak --quick     # the example GPT at stage 3 only, printed
 
-Two CPU ranks (gloo; four for ``reshard_after_forward=2``), fp32 AdamW, two optimizer steps per configuration,
-``ShardLabBudget(step_peak=True)``: measured on the first step after the warm-up (budget/step_peak.py: on CPU, what
-is live as the step starts, read from the real tensors, plus every allocation and free the step makes), predicted
-from the first batch run under fake tensors on the engine's schedule and the optimizers' step on fakes of this
-rank's masters (budget/step_timeline.py, budget/optimizer_peak.py, budget/step_peak_prediction.py). Beside them,
-the plan's step peak for the same model and shape (budget/fits.py: the same timeline without gloo's receive rooms,
-as ``shardlab plan --micro-batch-size B --seq-len T`` prints it). Models: the example GPT and a Hugging Face Llama
+Two CPU ranks (gloo; four for ``reshard_after_forward=2``), AdamW in fp32 (some in ``bf16-mixed``), two optimizer
+steps per configuration, ``ShardLabBudget(step_peak=True)``: measured on the first step after the warm-up
+(budget/step_peak.py: on CPU, what is live as the step starts, read from the real tensors, plus every allocation
+and free the step makes), predicted from the first batch run under fake tensors on the engine's schedule and the
+optimizers' step on fakes of this rank's masters (budget/step_timeline.py, budget/optimizer_peak.py,
+budget/step_peak_prediction.py). Beside them, the plan's step peak for the same model and shape (budget/fits.py:
+the same timeline without gloo's receive rooms, as ``shardlab plan --micro-batch-size B --seq-len T`` prints it).
+Models: the example GPT and a Hugging Face Llama
 built from its config (4 layers each, one unit per block).
 """
 
@@ -63,14 +64,14 @@ def build(name: str) -> tuple[L.LightningModule, type]:
     return Llama(), LlamaDecoderLayer
 
 
-def planned_peak(name: str, strategy: ShardLabStrategy, b: int, t: int, world: int) -> float:
+def planned_peak(name: str, strategy: ShardLabStrategy, b: int, t: int, world: int, precision: str) -> float:
     from lightning_shardlab.budget.fits import Setting, step_peak
     from lightning_shardlab.budget.plan import plan_model
     from lightning_shardlab.budget.predict import INTERCONNECTS
 
     link = INTERCONNECTS["nvlink"]  # no memory figure depends on it
-    setting = Setting(build(name)[0], strategy.config, world, "32-true", "adamw", link, link, name, b, t)
-    plan = plan_model(setting.model, strategy.config, world, "32-true", "adamw", link, name)
+    setting = Setting(build(name)[0], strategy.config, world, precision, "adamw", link, link, name, b, t)
+    plan = plan_model(setting.model, strategy.config, world, precision, "adamw", link, name)
     return step_peak(setting, plan).total
 
 
@@ -78,7 +79,8 @@ def measure(configs: list[tuple], directory: str, devices: int = 2) -> list[dict
     """Each of ``configs`` (model, stage, micro-batch, sequence length, checkpointing[, strategy options])."""
     out = []
     for name, stage, b, t, checkpointing, *more in configs:
-        options = more[0] if more else {}
+        options = dict(more[0]) if more else {}
+        precision = options.pop("precision", "32-true")
         model, block = build(name)
         strategy = ShardLabStrategy(
             stage=stage, unit_classes=[block], sanity_every_n_steps=0, activation_checkpointing=checkpointing, **options
@@ -86,7 +88,7 @@ def measure(configs: list[tuple], directory: str, devices: int = 2) -> list[dict
         ids = torch.randint(0, VOCAB, (4 * b, t + 1), generator=torch.Generator().manual_seed(0))
         budget = ShardLabBudget(step_peak=True)
         trainer = L.Trainer(
-            accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, callbacks=[budget],
+            accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, callbacks=[budget], precision=precision,
             default_root_dir=f"{directory}/{name}-{stage}-{b}x{t}-{checkpointing}", **QUIET,
         )  # fmt: skip
         trainer.fit(model, DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=b))
@@ -94,10 +96,11 @@ def measure(configs: list[tuple], directory: str, devices: int = 2) -> list[dict
         out.append({
             "config": f"{name} stage {stage} {b}x{t}{' ckpt' if checkpointing else ''}"
             + "".join(f" {k}={v}" for k, v in options.items())
+            + (f" {precision}" if precision != "32-true" else "")
             + (f" ({devices} ranks)" if devices != 2 else ""),
             "measured": {phase: v["peak"] for phase, v in report["step_peak_measured"].items()},
             "predicted": report["step_peak_predicted"],
-            "planned": planned_peak(name, strategy, b, t, devices),
+            "planned": planned_peak(name, strategy, b, t, devices, precision),
         })  # fmt: skip
     return out
 
@@ -134,6 +137,10 @@ def main() -> None:
             for b, t in SHAPES
             for ckpt in (False, True)
         ]
+        mixed = {"precision": "bf16-mixed"}
+        configs += [
+            (name, stage, 2, 64, ckpt, mixed) for name in ("gpt", "llama") for stage in (2, 3) for ckpt in (False, True)
+        ]
     import tempfile
 
     regrouped = [("gpt", 3, 2, 64, ckpt, {"reshard_after_forward": 2}) for ckpt in (False, True)]
@@ -144,7 +151,8 @@ def main() -> None:
     ratios = [max(r["measured"].values()) / r["predicted"]["total"] for r in rows]
     text = (
         "# The step's peak: predicted against measured\n\n"
-        "`python -m benchmarks.step_peak` (2 CPU ranks, 4 for `reshard_after_forward=2`, gloo, fp32 AdamW; rank 0's"
+        "`python -m benchmarks.step_peak` (2 CPU ranks, 4 for `reshard_after_forward=2`, gloo, AdamW, fp32 unless"
+        " marked bf16-mixed; rank 0's"
         " figures). Measured on the first"
         " step after the warm-up; predicted from the first batch run under fake tensors on the engine's schedule."
         f" Measured / predicted over {len(rows)} configurations: {min(ratios):.3f}-{max(ratios):.3f}.\n\n"

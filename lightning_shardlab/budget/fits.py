@@ -167,7 +167,9 @@ class Setting:
             config = dataclasses.replace(self.config, **changes)
             group, _ = config.group_sizes(self.world_size, self.per_node or self.world_size)
             layouts = [lay for lays in plan_units(self.model, config, group).layouts().values() for lay in lays]
-            self.timelines[key] = 0 if config.offload != "none" else planned_step_temporaries(self.optimizer, layouts)
+            mixed = COMPUTE[self.precision] is not None
+            on_device = config.offload == "none"
+            self.timelines[key] = planned_step_temporaries(self.optimizer, layouts, mixed) if on_device else 0
         return self.timelines[key]
 
     def _policy(self) -> PrecisionPolicy:

@@ -7,11 +7,12 @@ gradients), under ``FakeTensorMode``: nothing allocated. It steps once to make t
 run did), then again with every storage the second step makes watched (budget/step_timeline.py's
 ``LiveStorages``): the largest total is the step's temporaries beside the state. Where a group leaves ``foreach``
 to torch, the real masters decide it (a GPU run takes the multi-tensor path, a CPU run the per-tensor one), not
-the fake ones. After the step, at stages 1-2 the resident full buffers are gathered again from the new shards,
-all at once (``ShardedModel.refresh``): on gloo their receive rooms are live then, once the update's temporaries
-are gone.
+the fake ones. Under mixed precision the optimizer reads fp32 copies of the grad shards, made at the end of
+backward and dropped after the step: they count beside the update. After the step, at stages 1-2 the resident
+full buffers are gathered again from the new shards, all at once (``ShardedModel.refresh``): on gloo their receive
+rooms are live then, once the update's temporaries are gone. With ``offload`` on a GPU the masters step in host
+memory, so the device sees none of it.
 
-With ``offload`` on a GPU the masters step in host memory, so the device sees none of it.
 A plan (budget/fits.py) does the same with torch's class its ``--optimizer`` names, over one 1-D master per
 flat parameter's shard, on the multi-tensor path a GPU takes.
 
@@ -49,7 +50,19 @@ def optimizer_step_bytes(optimizers: list[Optimizer], sharded: ShardedModel) -> 
     except Exception as err:  # noqa: BLE001 - a prediction says why it is missing; it never stops the run
         return {"error": f"{type(err).__name__}: {err}"}
     wire = sharded.mesh.shard.wire
-    return max(made, refresh_rooms(sharded, wire.receive_room if wire is not None else no_rooms))
+    return max(
+        made + master_grads(sharded), refresh_rooms(sharded, wire.receive_room if wire is not None else no_rooms)
+    )
+
+
+def master_grads(sharded: ShardedModel) -> int:
+    """Mixed precision: the fp32 copies of the grad shards the optimizer reads (sharding/gradients.py ``show``),
+    made at the end of backward and dropped after the step; none in fp32, where it reads the grad shard itself."""
+    return sum(
+        fp.master.numel() * fp.master.element_size()
+        for fp in sharded.flat_params
+        if fp.grad_dtype != fp.master.dtype or fp.master.device != sharded.comm.device
+    )
 
 
 def refresh_rooms(sharded: ShardedModel, rooms: Rooms) -> int:
@@ -69,16 +82,17 @@ def elementwise_class(name: str) -> type[Optimizer] | None:
     return getattr(torch.optim, key) if key is not None else None
 
 
-def planned_step_temporaries(name: str, layouts: list[FlatParamLayout]) -> int:
+def planned_step_temporaries(name: str, layouts: list[FlatParamLayout], mixed: bool) -> int:
     """A plan's optimizer step (``shardlab plan --optimizer NAME``) over the trained flat parameters' shards, one
-    1-D master each, on the multi-tensor path a GPU takes (SGD with momentum, as the plan's state counts it); 0 for
-    a whole-tensor optimizer, which is not predicted."""
+    1-D master each, on the multi-tensor path a GPU takes (SGD with momentum, as the plan's state counts it), with
+    ``mixed`` precision's fp32 gradient copies; 0 for a whole-tensor optimizer, which is not predicted."""
     cls = elementwise_class(name)
     if cls is None:
         return 0
     options: dict[str, Any] = {"foreach": True, **({"momentum": 0.9} if cls is torch.optim.SGD else {})}
     shapes = [(torch.Size([lay.shard_numel]), lay.dtype) for lay in layouts if lay.requires_grad]
-    return step_temporaries(cls, [(options, shapes)]) if shapes else 0
+    copies = sum(lay.shard_numel * lay.dtype.itemsize for lay in layouts if lay.requires_grad) if mixed else 0
+    return step_temporaries(cls, [(options, shapes)]) + copies if shapes else 0
 
 
 Group = tuple[dict[str, Any], list[tuple[torch.Size, torch.dtype]]]  # (a param group's options, its params' shapes)

@@ -74,6 +74,7 @@ class UnitBytes:
     reducing: int = 0  # its flat gradients, new grad shards and receive rooms while the reduce-scatters fly
     regrouped: int = 0  # reshard_after_forward=k: the group shards it keeps from its forward to its backward
     regathering: int = 0  # ... and the receive rooms of backward's all-gathers from them, in the reshard group
+    laying_out: int = 0  # the gradients laid out in their own dtype, before the cast to the reduce dtype
 
     @staticmethod
     def of(
@@ -84,7 +85,7 @@ class UnitBytes:
         reshard_size: int | None = None,
         reshard_rooms: Rooms = no_rooms,
     ) -> UnitBytes:
-        gathered = gathering = reducing = regrouped = regathering = 0
+        gathered = gathering = reducing = regrouped = regathering = laying_out = 0
         for lay in layouts:
             compute = policy.compute_for(lay.dtype).itemsize
             if stage is Stage.PARAMETERS and lay.world_size > 1:
@@ -94,10 +95,11 @@ class UnitBytes:
                     regrouped += lay.padded_numel // reshard_size * compute
                     regathering += reshard_rooms("all_gather", lay.padded_numel // reshard_size * compute)
             if lay.requires_grad:
-                reduce = (policy.reduce_dtype or policy.compute_for(lay.dtype)).itemsize
+                reduce = (policy.reduce_dtype or lay.dtype).itemsize  # fp32 under mixed precision, unless asked
                 reducing += (lay.padded_numel + lay.shard_numel) * reduce
+                laying_out += lay.padded_numel * compute if reduce != compute else 0
                 reducing += rooms("reduce_scatter", lay.shard_numel * reduce) if lay.world_size > 1 else 0
-        return UnitBytes(gathered, gathering, reducing, regrouped, regathering)
+        return UnitBytes(gathered, gathering, reducing, regrouped, regathering, laying_out)
 
 
 @dataclass
@@ -182,6 +184,7 @@ class EngineStandIn:
         self.order: list[StandInUnit] = []
         self.in_flight: list[StandInUnit] = []  # reductions not waited yet
         self.rng_states: dict[StandInUnit, int] = {}  # checkpointed modules' RNG states, by unit, until backward
+        self.laying_out = 0  # a unit's gradients laid out in their own dtype, while they are cast to the reduce dtype
         self.phase = "forward"
         self._prefetch(self.last_order[:1])
 
@@ -192,7 +195,7 @@ class EngineStandIn:
     @property
     def in_flight_bytes(self) -> int:
         gathering = sum(u.size.regathering if u in self.regrouped else u.size.gathering for u in self.gathering)
-        return gathering + sum(u.size.reducing for u in self.in_flight)
+        return gathering + sum(u.size.reducing for u in self.in_flight) + self.laying_out
 
     def _prefetch(self, units: list[StandInUnit]) -> None:
         if self.config.stage is Stage.PARAMETERS:
@@ -251,7 +254,9 @@ class EngineStandIn:
         while len(self.in_flight) >= limit:
             self.in_flight.pop(0)
         self.in_flight.append(unit)  # the flat gradient is laid out while the params' gradients still live
+        self.laying_out = unit.size.laying_out
         self.sample(f"reduce-scatter {unit.name}")
+        self.laying_out = 0
         for param in unit.params:
             param.grad = None
         unit.training = TrainingState.REDUCING
