@@ -291,12 +291,12 @@ class _Recorder:
         if not op:
             self.event = what
         phase, engine = self.engine.phase, self.engine
-        where = f"{self.event}, {what}" if what != self.event else what
         traced = self.live.total + sum(engine.rng_states.values())
-        moment = Moment(phase, where, traced, engine.gathered_bytes, engine.in_flight_bytes)
+        gathered, in_flight = engine.gathered_bytes, engine.in_flight_bytes
         best = self.timeline.peaks.get(phase)
-        if best is None or moment.total > best.total:
-            self.timeline.peaks[phase] = moment
+        if best is None or traced + gathered + in_flight > best.total:  # a new busiest moment: say where it is
+            where = f"{self.event}, {what}" if what != self.event else what
+            self.timeline.peaks[phase] = Moment(phase, where, traced, gathered, in_flight)
 
 
 def owning_unit(name: str, owner: dict[str, str]) -> str:
