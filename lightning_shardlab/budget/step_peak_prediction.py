@@ -25,13 +25,14 @@ from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 
 def unit_bytes(sharded: ShardedModel) -> dict[str, UnitBytes]:
-    """Each unit's bytes for the timeline, from its real layouts; receive rooms from the shard group's wire."""
+    """Each unit's bytes for the timeline, from its real layouts; receive rooms from the wires of the shard group and,
+    with ``reshard_after_forward=k``, of the reshard group."""
     mesh = sharded.mesh
-    rooms = mesh.shard.wire.receive_room if mesh.shard.wire is not None else no_rooms
+    rooms, regroup_rooms = (c.wire.receive_room if c.wire is not None else no_rooms for c in (mesh.shard, mesh.reshard))
     k = mesh.reshard.world_size if mesh.regrouped else None
     stage, policy = sharded.config.stage, sharded.policy
     return {
-        unit.name: UnitBytes.of([fp.layout for fp in unit.flat_params], stage, policy, rooms, k)
+        unit.name: UnitBytes.of([fp.layout for fp in unit.flat_params], stage, policy, rooms, k, regroup_rooms)
         for unit in sharded.units
     }
 
