@@ -15,7 +15,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_shardlab.budget import plan_command
+from lightning_shardlab.budget import fits, plan_command
 from lightning_shardlab.budget.activation_trace import trace_activations, unit_members
 from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.examples.gpt import GPT
@@ -253,16 +253,34 @@ SETTINGS = [
 ]
 
 
-def test_the_cheapest_change_that_fits_is_chosen_its_own_plan_fits_and_every_kind_is_chosen_somewhere() -> None:
+def test_the_cheapest_change_that_fits_is_chosen_its_own_plan_fits_and_every_kind_is_chosen_somewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """For each setting, at each candidate's own peak as the device memory: the choice fits, no fitting change costs
     less, and the plan with the choice applied has the step peak the verdict computed for it. Over the settings every
-    kind of change is chosen somewhere (the rule is exercised, not one answer)."""
+    kind of change is chosen somewhere (the rule is exercised, not one answer).
+
+    Each setting is planned by the command once (at 1 byte: every candidate's peak); the verdict at each limit is the
+    one the command gives there (``fits.verdict`` on that plan and its setting: the command's own verdict at 1 byte
+    is checked to be exactly it), and the plan with the choice applied is a fresh run of the command."""
+    made: list[tuple[Any, fits.Setting]] = []
+
+    def keep(plan: Any, setting: fits.Setting, device_memory: float | None) -> Any:
+        made.append((plan, setting))
+        return fits.add_activations(plan, setting, device_memory)
+
     kinds = set()
     for argv in SETTINGS:
-        tried = gpt_plan(*argv, *memory(1)).fit["candidates"]  # nothing fits 1 byte: every candidate's peak
+        with monkeypatch.context() as patched:
+            patched.setattr(plan_command, "add_activations", keep)
+            planned = gpt_plan(*argv, *memory(1))  # nothing fits 1 byte: every candidate's peak
+        [(base, setting)] = made
+        made.clear()
+        assert fits.verdict(setting, base, 1).fields() == planned.fit, argv  # the command's verdict, as called here
+        tried = planned.fit["candidates"]
         assert tried, argv
         for limit in sorted({c["peak"]["total"] for c in tried}):
-            fit = gpt_plan(*argv, *memory(limit)).fit
+            fit = fits.verdict(setting, base, limit).fields()
             choice = next(c for c in fit["candidates"] if c["name"] == fit["choice"])
             kinds.add(choice["name"].split(" ")[0])
             assert choice["fits"] and choice["peak"]["total"] <= limit, (argv, choice)
