@@ -276,6 +276,6 @@ def test_a_param_group_of_foreign_tensors_is_refused_when_it_is_added() -> None:
     optimizer = torch.optim.AdamW(sharded.module.inp.parameters(), lr=0.1)
     shard_optimizer(optimizer, sharded)
     optimizer.add_param_group({"params": list(sharded.module.tiny.parameters()), "lr": 0.01})  # the module's own
-    with pytest.raises(ValueError, match=r"the added param group of ShardedAdamW holds a tensor of shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"the added param group of AdamW holds a tensor of shape \(3,\)"):
         optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
     assert len(optimizer.param_groups) == 2

@@ -223,14 +223,14 @@ def test_cheap_check_names_both_fingerprints_at_the_next_check(fault_reports: li
             "lr",
             3,
             1,
-            "optimizer 0 (ShardedAdamW) param group 0 on rank 1 differs from rank 0: lr=0.01 on rank 0,"
+            "optimizer 0 (AdamW) param group 0 on rank 1 differs from rank 0: lr=0.01 on rank 0,"
             " 0.010000000000000002 on rank 1",
         ),
         (
             "step_counter",
             3,
             2,
-            "optimizer 0 (ShardedAdamW) param group 0 on rank 2 differs from rank 0: step counters"
+            "optimizer 0 (AdamW) param group 0 on rank 2 differs from rank 0: step counters"
             " [3.0] on rank 0, [3.0, 4.0] on rank 2",
         ),
     ],

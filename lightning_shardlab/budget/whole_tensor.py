@@ -113,7 +113,7 @@ def whole_tensor_report(sharded: ShardedModel, optimizers: list[Optimizer], glob
         out["optimizers"].append(
             {
                 "index": index,
-                "optimizer": type(optimizer).__mro__[1].__name__,  # the user's class (Sharded<Class> wraps it)
+                "optimizer": type(optimizer).__name__,  # the user's class name (sharded_class keeps it)
                 "params": len(plan.params),
                 "owned": len(owned),
                 "owned_numel": sum(p.numel() for p in owned),

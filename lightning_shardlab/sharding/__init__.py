@@ -17,7 +17,7 @@ In the order a step meets them:
     sharded_model.py    ``ShardedModel``: the units of one module, a step, the refresh after it
     lookup.py           ``sharded_model_of(trainer)``: how the callbacks find it
     placeholders.py     a stage-3 parameter at rest: its shape answers, every read of its values raises
-    optimizer.py        ``Sharded<Class>``: the user's optimizer over the module's parameters, stepping the
+    optimizer.py        the user's optimizer (its class's name kept) over the module's parameters, stepping the
                         master shards; the global gradient norm
     stand_ins.py        the engine's tensors in an optimizer's param groups for one update, state beside them
     owners.py           whole-tensor optimizers (Muon, Adafactor): each parameter's owner rank, its pieces

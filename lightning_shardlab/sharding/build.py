@@ -83,6 +83,12 @@ def shard_model(
     return sharded
 
 
+def sharded_model_of_module(module: nn.Module) -> ShardedModel | None:
+    """The ShardedModel that ``module`` was sharded into (by any Trainer or Fabric), if it is alive."""
+    ref = _SHARDED.get(module)
+    return ref() if ref is not None else None
+
+
 def _already_sharded(
     module: nn.Module, config: ShardLabConfig, policy: PrecisionPolicy, world: Comm
 ) -> ShardedModel | None:

@@ -2,8 +2,9 @@
 
 ``configure_optimizers`` runs unchanged and sees the module's parameters; its param groups keep holding them
 (one identity: Lightning's finetuning callbacks, ``toggle_optimizer`` and users map them to names and back).
-``shard_optimizer`` swaps the optimizer's class, as torch's ``fully_shard`` swaps a module's, for
-``Sharded<Class>``, whose methods map each original param to its master view (sharding/flat_param.py):
+``shard_optimizer`` swaps the optimizer's class, as torch's ``fully_shard`` swaps a module's, for a subclass
+of the user's class under the user's own name (``sharded_class``: ``LearningRateMonitor`` still logs
+``lr-AdamW``), whose methods map each original param to its master view (sharding/flat_param.py):
 
     step               runs the closure (forward and backward), then, for the update alone, puts the master
                        views in the param groups and the optimizer's state beside them (``masters_in_place``),
@@ -197,14 +198,25 @@ def shard_optimizer(optimizer: Optimizer, sharded: ShardedModel) -> None:
         )
     for index, group in enumerate(optimizer.param_groups):
         _check_params(optimizer, sharded, group["params"], f"param group {index}")
-    cls = type(optimizer)
-    optimizer.__class__ = type(f"Sharded{cls.__name__}", (cls,), _sharded_methods(cls, sharded, whole))
+    optimizer.__class__ = sharded_class(type(optimizer), _sharded_methods(type(optimizer), sharded, whole))
     _rewrap_lr_scheduler(optimizer)
     optimizer.register_step_post_hook(
         lambda opt, args, kwargs: sharded.after_optimizer_step(
             sharded.flat_params_of(_originals(opt)), {id(p) for p in _originals(opt)}
         )
     )
+
+
+def sharded_class(cls: type[Optimizer], methods: dict[str, Any]) -> type[Optimizer]:
+    """A subclass of ``cls`` with the sharded methods that keeps the user's name, qualname and module: what
+    ``LearningRateMonitor`` (``lr-AdamW``), dashboards, ``repr`` and ``type(optimizer).__name__`` read stays the
+    user's class, and ``isinstance(optimizer, cls)`` holds. ``is_sharded_optimizer`` tells them apart."""
+    names = {"__name__": cls.__name__, "__qualname__": cls.__qualname__, "__module__": cls.__module__}
+    return type(cls.__name__, (cls,), {**methods, **names, "__doc__": cls.__doc__})
+
+
+def is_sharded_optimizer(optimizer: Optimizer) -> bool:
+    return "_shardlab_sharded" in type(optimizer).__dict__
 
 
 def _check_params(optimizer: Optimizer, sharded: ShardedModel, params: list[Tensor], where: str) -> None:

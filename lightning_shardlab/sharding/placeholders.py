@@ -94,6 +94,9 @@ def _tensors(args: tuple, kwargs: dict | None) -> Iterator[Any]:
 
 
 def at_rest_error(param: ShardedAtRest, what: str) -> RuntimeError:
+    strategy = _calling_strategy()
+    if strategy is not None:
+        return handed_over_error(param, strategy)
     caller = _calling_callback()
     by = f" by {caller}" if caller else ""
     return RuntimeError(
@@ -103,6 +106,29 @@ def at_rest_error(param: ShardedAtRest, what: str) -> RuntimeError:
         " `fabric.strategy.gathered_params(...)`); for the whole state dict call trainer.strategy.full_state_dict()"
         " on every rank; or train with strategy='shardlab_stage_2', where every rank keeps the whole parameters."
     )
+
+
+def handed_over_error(param: ShardedAtRest, strategy: str) -> RuntimeError:
+    """A module a shardlab run left sharded (stage 3), set up by another strategy: its weights are on the ranks."""
+    return RuntimeError(
+        f"[rank {param._shardlab_rank}] {strategy} was given a module that a shardlab run left sharded (stage 3):"
+        f" between steps each rank holds only a slice of its parameters ({param._shardlab_name!r} is one), so"
+        " another strategy cannot set it up. HINT: get the weights out first, in one of these ways: fit it again"
+        " with the same shardlab options (a new Trainer continues it); on every rank of the run,"
+        " `trainer.strategy.full_state_dict()` (rank 0 gets the whole state dict) and load it into a new module;"
+        " `MyModule.load_from_checkpoint(path)` of a checkpoint written with state_dict_type='full'; or"
+        " `shardlab consolidate CHECKPOINT_DIR model.ckpt` of a sharded checkpoint, then load_from_checkpoint."
+    )
+
+
+def _calling_strategy() -> str | None:
+    """Another Lightning strategy (not shardlab's) whose code is on the stack, e.g. DDP's ``model_to_device``."""
+    for info in inspect.stack(context=0)[2:]:
+        owner = info.frame.f_locals.get("self")
+        kind = type(owner)
+        if any(c.__name__ == "Strategy" and c.__module__.startswith("lightning.") for c in kind.__mro__):
+            return None if kind.__module__.startswith("lightning_shardlab") else kind.__name__
+    return None
 
 
 def _calling_callback() -> str | None:

@@ -32,7 +32,7 @@ from lightning_shardlab.common.distributed import ShardLabDistributed
 from lightning_shardlab.common.options import OPTIONS_DOC, options_to_configs, with_options
 from lightning_shardlab.core.config import Accumulation, Stage
 from lightning_shardlab.guard.callback import ShardLabSanity
-from lightning_shardlab.sharding.build import shard_model
+from lightning_shardlab.sharding.build import shard_model, sharded_model_of_module
 from lightning_shardlab.sharding.gathered import Modules, gathered_params
 from lightning_shardlab.sharding.materialize import has_meta
 from lightning_shardlab.sharding.optimizer import global_grad_norm, shard_optimizer
@@ -184,8 +184,10 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        # once sharded, the flat parameters already live on the device; meta parameters are built there
-        if self.sharded is None and not has_meta(self.model):
+        # once sharded (by this strategy, or by an earlier Trainer's: a second fit of the same module), the flat
+        # parameters already live on the device; meta parameters are built there
+        sharded = self.sharded or sharded_model_of_module(self.model)
+        if sharded is None and not has_meta(self.model):
             self.model.to(self.root_device)
 
     @contextmanager
