@@ -19,7 +19,6 @@ from torch.utils.data import TensorDataset
 
 from lightning_shardlab import ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
 from lightning_shardlab.core.config import PrecisionPolicy
-from lightning_shardlab.trainer.precision import ShardLabPrecision
 from tests.helpers.launch import run_ranks
 from tests.helpers.reference import init_from_env, mean_over_ranks, reference_shard, shutdown
 from tests.models import MuonGPT, OddNet, OrderedData, TinyGPT, regression_batches, token_dataset
@@ -195,8 +194,11 @@ def test_two_optimizers_after_one_backward_in_bf16_mixed() -> None:
     run_ranks("tests.test_mixed_precision:two_optimizers_bf16_mixed", 2, {"stages": [2, 3]}, timeout=180)
 
 
-def fp16_overflow_skips_on_every_rank() -> dict:
-    """16-mixed: one rank overflows; every rank skips that step and halves its loss scale."""
+def fp16_overflow_skips_on_every_rank(stages: list[int], tmp: str) -> dict:
+    """16-mixed under Lightning ``ddp`` and shardlab at each stage: one rank overflows at step 2; every rank skips
+    that step and halves the scale of the GradScaler at ``trainer.precision_plugin.scaler``, as DDP's does."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
     comm_rank = int(__import__("os").environ["RANK"])
 
     class Spiky(TinyGPT):
@@ -206,42 +208,59 @@ def fp16_overflow_skips_on_every_rank() -> dict:
                 loss = loss * float("inf")  # an overflow on rank 1 only
             return loss
 
-    torch.manual_seed(0)
-    model = Spiky()
-    plugin = ShardLabPrecision("16-mixed")
-    plugin.loss_scale.scale = 2.0**10  # low enough that only the injected overflow overflows
-    snapshots = []
+    class Scales(L.Callback):
+        """What a callback logging or tuning the scale reads, and the weights after each step (rank 0)."""
 
-    class Snapshot(L.Callback):
+        def __init__(self) -> None:
+            self.scales, self.weights = [], []
+
         def on_train_batch_end(self, trainer, pl_module, *args) -> None:  # noqa: ANN001, ANN002
-            snapshots.append({k: v.clone() for k, v in trainer.strategy.full_state_dict().items()})
+            self.scales.append(trainer.precision_plugin.scaler.get_scale())
+            sharded = hasattr(trainer.strategy, "full_state_dict")
+            state = trainer.strategy.full_state_dict() if sharded else pl_module.state_dict()  # {} on ranks > 0
+            self.weights.append({k: v.detach().clone() for k, v in state.items()})
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=ShardLabStrategy(),
-        plugins=[plugin],
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=[Snapshot()],
-    )
-    trainer.fit(model, OrderedData(token_dataset(12), 2))
-    fp = trainer.strategy.sharded.flat_params[0]
-    return {
-        "scale": plugin.loss_scale.scale,
-        "snapshots": snapshots if comm_rank == 0 else [],
-        "compute_dtype": str(fp.full.dtype),
-    }
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:  # noqa: ANN001
+            self.saved = copy.deepcopy(checkpoint["MixedPrecision"])  # where Lightning keeps the scaler's state
+
+    torch.manual_seed(0)
+    initial = Spiky()
+    report = {}
+    for name in ["ddp", *stages]:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # low: only the injected overflow overflows
+        scales = Scales()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy="ddp" if name == "ddp" else ShardLabStrategy(stage=name),
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], max_steps=3, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            use_distributed_sampler=False, callbacks=[scales],
+        )  # fmt: skip
+        trainer.fit(copy.deepcopy(initial), OrderedData(token_dataset(12), 2))
+        trainer.save_checkpoint(f"{tmp}/{name}.ckpt")
+        plugin = trainer.precision_plugin
+        first, skipped, third = scales.weights
+        report[name] = {
+            "scaler": isinstance(plugin.scaler, torch.amp.GradScaler),
+            "scales": scales.scales,
+            "saved": scales.saved,
+            "skipped": all(torch.equal(first[k], skipped[k]) for k in first),  # step 2 changed nothing
+            "trained_after": not all(torch.equal(skipped[k], third[k]) for k in first),  # step 3 trained again
+        }
+        if name != "ddp":
+            report[name]["compute_dtype"] = str(trainer.strategy.sharded.flat_params[0].full.dtype)
+    return report
 
 
-def test_fp16_loss_scale_overflow_on_one_rank_skips_the_step_everywhere() -> None:
-    reports = run_ranks("tests.test_mixed_precision:fp16_overflow_skips_on_every_rank", 2, timeout=120)
-    assert [r["scale"] for r in reports] == [2.0**9, 2.0**9]  # halved once, on both ranks
-    assert reports[0]["compute_dtype"] == "torch.float16"
-    first, skipped, third = reports[0]["snapshots"]
-    assert all(torch.equal(first[k], skipped[k]) for k in first)  # step 2 changed nothing
-    assert not all(torch.equal(skipped[k], third[k]) for k in first)  # step 3 trained again
+def test_fp16_loss_scale_overflow_on_one_rank_skips_the_step_everywhere(tmp_path) -> None:  # noqa: ANN001
+    kwargs = {"stages": [1, 2, 3], "tmp": str(tmp_path)}
+    reports = run_ranks("tests.test_mixed_precision:fp16_overflow_skips_on_every_rank", 2, kwargs, timeout=180)
+    for rank, report in enumerate(reports):
+        ddp = report["ddp"]
+        assert ddp["scales"] == [2.0**10, 2.0**9, 2.0**9], ddp
+        for stage in (1, 2, 3):
+            ours = report[stage]
+            assert ours["scaler"] and ours["compute_dtype"] == "torch.float16", stage
+            assert ours["scales"] == ddp["scales"] and ours["saved"] == ddp["saved"], (stage, ours, ddp)
+            if rank == 0:  # the weights (rank 0 holds the full state dict): step 2 skipped, step 3 taken
+                assert ddp["skipped"] and ddp["trained_after"], ddp
+                assert ours["skipped"] and ours["trained_after"], stage

@@ -9,7 +9,8 @@
 
 With "bf16-mixed" and AdamW each rank holds 2 B compute copy + 2 B gradient + 4 B master + 8 B
 moments = 16 B per parameter, divided by N at stage 3 (the ZeRO table). Gradient clipping takes
-the global norm over every rank's shards; the fp16 loss scale skips a step when any rank overflowed.
+the global norm over every rank's shards; the fp16 loss scale (torch's GradScaler, common/grad_scaler.py)
+skips a step when any rank overflowed.
 
 ``PrecisionRecipe`` is all of that on ``lightning.fabric``'s plugin interface; trainer/precision.py adds the
 Trainer's hooks and fabric/precision.py Fabric's, so the two plugins differ only where Lightning's two APIs do.
@@ -31,7 +32,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shardlab.comm import collectives
+from lightning_shardlab.common.grad_scaler import ShardedGradScaler
 from lightning_shardlab.core.config import DTYPES, PrecisionPolicy
 from lightning_shardlab.sharding.optimizer import clip_grad_norm_
 
@@ -42,25 +43,12 @@ SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 COMPUTE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
-class DynamicLossScale:
-    """fp16's loss scale: halve it on overflow (and skip the step), double it after ``interval`` good steps."""
-
-    def __init__(self, scale: float = 2.0**16, interval: int = 2000) -> None:
-        self.scale, self.interval, self.good_steps = scale, interval, 0
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.scale, self.good_steps = self.scale / 2, 0
-        else:
-            self.good_steps += 1
-            if self.good_steps == self.interval:
-                self.scale, self.good_steps = self.scale * 2, 0
-
-
 class PrecisionRecipe(FabricPrecision):
     """Dtypes, autocast, input conversion, global clipping and the fp16 loss scale, for either front door."""
 
-    def __init__(self, precision: str = "32-true", norm_type: float = 2.0) -> None:
+    def __init__(
+        self, precision: str = "32-true", norm_type: float = 2.0, scaler: torch.amp.GradScaler | None = None
+    ) -> None:
         if precision not in SUPPORTED:
             raise ValueError(
                 f"`precision={precision!r}` is not supported by the shardlab strategy. Allowed: {', '.join(SUPPORTED)}."
@@ -68,10 +56,33 @@ class PrecisionRecipe(FabricPrecision):
         super().__init__()
         self.precision = precision  # type: ignore[assignment]
         self.norm_type = norm_type
-        self.device_type = "cpu"  # for autocast; the strategy sets its root device's type
-        self.loss_scale = DynamicLossScale() if precision == "16-mixed" else None
-        self.sharded: ShardedModel | None = None  # set by the strategy once the model is sharded
+        # "16-mixed": torch's GradScaler where Lightning keeps it (common/grad_scaler.py); None otherwise
+        self.scaler = ShardedGradScaler.like(scaler, "cpu", self.main_params) if precision == "16-mixed" else None
+        self._device_type = "cpu"
+        self._sharded: ShardedModel | None = None
         self.last_grad_norm: Tensor | None = None
+
+    @property
+    def device_type(self) -> str:
+        """For autocast and the scaler; the strategy sets its root device's type."""
+        return self._device_type
+
+    @device_type.setter
+    def device_type(self, device_type: str) -> None:
+        if self.scaler is not None and device_type != self._device_type:
+            self.scaler = ShardedGradScaler.like(self.scaler, device_type, self.main_params)
+        self._device_type = device_type
+
+    @property
+    def sharded(self) -> ShardedModel | None:
+        return self._sharded
+
+    @sharded.setter
+    def sharded(self, sharded: ShardedModel | None) -> None:
+        """Set by the strategy once the model is sharded (the scaler reduces its overflow flag on its comm)."""
+        self._sharded = sharded
+        if self.scaler is not None:
+            self.scaler.sharded = sharded
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -128,38 +139,30 @@ class PrecisionRecipe(FabricPrecision):
 
     @override
     def pre_backward(self, tensor: Tensor, module: Any) -> Any:
-        if self.loss_scale is not None:
-            tensor = tensor * self.loss_scale.scale
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
         super().pre_backward(tensor, module)  # the Trainer's calls on_before_backward; Fabric's does nothing
         return tensor
 
-    def _unscale(self, optimizer: Optimizer) -> bool:
-        """Divide the gradients by the loss scale; True when any rank saw inf or nan (one all-reduce)."""
-        assert self.sharded is not None and self.loss_scale is not None
-        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
-        bad = torch.zeros((), dtype=torch.int32, device=self.sharded.comm.device)
-        for g in grads:
-            g.mul_(1.0 / self.loss_scale.scale)
-            bad |= (~torch.isfinite(g)).any().int().to(bad.device)
-        return bool(collectives.all_reduce(bad, self.sharded.comm, op="max", label="loss scale overflow"))
-
-    def _step_or_skip(self, optimizer: Optimizer, overflow: bool, **kwargs: Any) -> Any:
-        """After unscaling: step, or (any rank overflowed) skip the step on every rank, as GradScaler does."""
-        assert self.loss_scale is not None and self.sharded is not None
-        self.loss_scale.update(overflow)
+    def _step_or_skip(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """After unscaling: the scaler steps, or (any rank overflowed) skips the step on every rank and drops its
+        gradients; then it updates the scale, as Lightning's MixedPrecision does."""
+        assert self.scaler is not None and self.sharded is not None
+        overflow = self.scaler.overflowed(optimizer)
+        stepped = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
         if overflow:
             self.sharded.skip_step()
-            return None
-        return optimizer.step(**kwargs)
+        return stepped
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {} if self.loss_scale is None else dict(vars(self.loss_scale))
+        return {} if self.scaler is None else self.scaler.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.loss_scale is not None and state_dict:
-            vars(self.loss_scale).update(state_dict)
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
 
 
 def convert_plugin(
@@ -171,7 +174,7 @@ def convert_plugin(
         return plugin or ours(norm_type=norm_type)
     name = getattr(plugin, "precision", type(plugin).__name__)
     if type(plugin) in lightning and name in SUPPORTED:
-        return ours(name, norm_type)
+        return ours(name, norm_type, scaler=getattr(plugin, "scaler", None))  # a user's scaler: its settings kept
     raise ValueError(
         f"`{front_door}(precision={name!r})` is not supported by the shardlab strategy."
         f" Allowed: {', '.join(SUPPORTED)}."

@@ -18,21 +18,17 @@ from lightning_shardlab.common.precision import PrecisionRecipe, convert_plugin
 
 
 class ShardLabFabricPrecision(PrecisionRecipe):
-    def __init__(self, precision: str = "32-true", norm_type: float = 2.0) -> None:
-        super().__init__(precision, norm_type)
-        self._overflow: dict[int, bool] = {}  # id(optimizer) -> overflowed, for gradients unscaled this step
-
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:
-        if self.loss_scale is not None and id(optimizer) not in self._overflow:
-            self._overflow[id(optimizer)] = self._unscale(optimizer)
+        if self.scaler is not None and not self.scaler.unscaled(optimizer):
+            self.scaler.unscale_(optimizer)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        if self.loss_scale is None:
+        if self.scaler is None:
             return optimizer.step(**kwargs)
         self.unscale_gradients(optimizer)
-        return self._step_or_skip(optimizer, self._overflow.pop(id(optimizer)), **kwargs)
+        return self._step_or_skip(optimizer, **kwargs)
 
 
 def fabric_precision(plugin: Precision | None, norm_type: float) -> ShardLabFabricPrecision:

@@ -1,7 +1,9 @@
 """The Trainer's precision plugin: ``Trainer(precision=...)`` becomes a ``ShardLabPrecision``.
 
 The recipe (common/precision.py) on the Trainer's hooks: gradient clipping by the global norm over every rank's
-shards, and under "16-mixed" the optimizer step that unscales once and skips a step any rank overflowed.
+shards, and under "16-mixed" Lightning's MixedPrecision step with torch's GradScaler at ``.scaler``
+(common/grad_scaler.py): it unscales once and skips a step any rank overflowed; its state is in checkpoints
+where Lightning keeps it.
 """
 
 from __future__ import annotations
@@ -25,15 +27,29 @@ class ShardLabPrecision(PrecisionRecipe, Precision):
 
     @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        if self.loss_scale is None:
+        """Lightning's MixedPrecision.optimizer_step, with the sharded scaler (common/grad_scaler.py)."""
+        if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             return closure_result  # backward was skipped
-        overflow = self._unscale(optimizer)
+        self.scaler.unscale_(optimizer)  # before clipping (on_before_optimizer_step sees unscaled gradients)
         self._after_closure(model, optimizer)
-        stepped = self._step_or_skip(optimizer, overflow, **kwargs)
-        return closure_result if overflow else stepped
+        return self._step_or_skip(optimizer, **kwargs)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The scaler's state also where Lightning's MixedPrecision keeps it, for code (and DDP) reading it there."""
+        if self.scaler is not None:
+            checkpoint[MixedPrecision.__qualname__] = self.scaler.state_dict()
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of Lightning's own fp16 run (DDP's): its scaler state, under MixedPrecision's key."""
+        if self.scaler is not None and type(self).__qualname__ not in checkpoint:
+            state = checkpoint.get(MixedPrecision.__qualname__) or checkpoint.get("native_amp_scaling_state")
+            if state:
+                self.load_state_dict(state)
 
 
 def shardlab_precision(plugin: Precision | None, norm_type: float) -> ShardLabPrecision:
