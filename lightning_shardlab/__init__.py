@@ -22,6 +22,7 @@ from lightning_shardlab.sharding.sharded_model import ShardedModel
 from lightning_shardlab.trainer.ema import ShardLabEMA
 from lightning_shardlab.trainer.precision import ShardLabPrecision
 from lightning_shardlab.trainer.strategy import ShardLabStrategy
+from lightning_shardlab.trainer.swa import ShardLabSWA
 from lightning_shardlab.vitals.callback import ShardLabVitals
 
 ShardLabStrategy.register_strategies(StrategyRegistry)
@@ -37,6 +38,7 @@ __all__ = [
     "SanityGuard",
     "ShardLabConfig",
     "ShardLabEMA",
+    "ShardLabSWA",
     "ShardLabPrecision",
     "ShardLabSanity",
     "ShardLabStrategy",

@@ -6,7 +6,7 @@
 2. A sharded checkpoint saved at 2 ranks, stage 3, resumes at 4 ranks, stage 2 (a full checkpoint written
    there loads at 1 rank, stage 1): the average continues exactly as DDP's uninterrupted one, with an
    update every 2 steps; ``shardlab consolidate`` writes the average under ``ema_state_dict``.
-3. Lightning's weight averaging callbacks are refused on every rank, naming ShardLabEMA.
+3. Lightning's EMA weight averaging (and a subclass of its SWA) is refused on every rank, naming ShardLabEMA.
 """
 
 from __future__ import annotations
@@ -185,8 +185,13 @@ def test_the_average_resumes_at_another_world_size_and_stage(tmp_path: Path) -> 
 # ---- Lightning's own weight averaging: refused ----
 
 
+class MySWA(StochasticWeightAveraging):
+    """A user's subclass: its methods may read the whole model, so it is not run sharded (tests/test_swa.py runs
+    Lightning's own class, sharded)."""
+
+
 def refused(callback: str) -> str:
-    made = {"ema": lambda: EMAWeightAveraging(decay=0.9), "swa": lambda: StochasticWeightAveraging(swa_lrs=0.01)}
+    made = {"ema": lambda: EMAWeightAveraging(decay=0.9), "swa": lambda: MySWA(swa_lrs=0.01)}
     trainer = _trainer("shardlab", [made[callback]()], 2, max_steps=2, enable_checkpointing=False)
     try:
         trainer.fit(RegressionNet(), OrderedData(regression_dataset(8), 2))

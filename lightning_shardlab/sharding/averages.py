@@ -1,6 +1,7 @@
 """Averaged weights, kept sharded: each rank averages its own master shards (no communication per update).
 
-``Averages`` is the state; ``ShardLabEMA`` (trainer/ema.py) decides when to update it. The update is torch's
+``Averages`` is the state; ``ShardLabEMA`` (trainer/ema.py) and ``ShardLabSWA`` (trainer/swa.py) decide when to
+update it, ShardLabSWA by its own rule (``update_with``). The update is torch's
 ``AveragedModel`` with ``get_ema_avg_fn(decay)``, applied to this rank's slice: the first update copies
 the weights, later ones compute ``decay * average + (1 - decay) * weights``. Both are elementwise, so the
 slices of the unsharded average and the averages of the slices are the same numbers, bit for bit.
@@ -14,6 +15,7 @@ slices of the unsharded average and the averages of the slices are the same numb
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,6 +50,18 @@ class Averages:
         self.n_averaged += 1
 
     @torch.no_grad()
+    def update_with(self, sharded: ShardedModel, avg_fn: Callable[[Tensor, Tensor, Tensor], Tensor], n: Tensor) -> None:
+        """One update by ``avg_fn(average, weights, n)`` (StochasticWeightAveraging's rule: by default the
+        running mean), on this rank's slices; the first update copies the weights. The buffers keep the
+        model's values (SWA averages parameters only). ``avg_fn`` must be elementwise, as the default is."""
+        for fp, avg in zip(sharded.flat_params, self.shards):
+            if avg is not None:
+                avg.copy_(fp.master if self.n_averaged == 0 else avg_fn(avg, fp.master, n.to(avg.device)))
+        for name, buf in sharded.module.named_buffers():
+            self.buffers[name].copy_(buf)
+        self.n_averaged += 1
+
+    @torch.no_grad()
     def swap(self, sharded: ShardedModel) -> None:
         """Exchange the weights and buffers with the average (collective at stages 1-2: the resident full
         buffers are re-gathered). Swapping twice restores both, bit for bit."""
@@ -65,14 +79,14 @@ class Averages:
         sharded.refresh(changed)
 
     @torch.no_grad()
-    def apply(self, sharded: ShardedModel) -> None:
-        """The weights and buffers take the average's values (collective at stages 1-2)."""
+    def apply(self, sharded: ShardedModel, buffers: bool = True) -> None:
+        """The weights (and ``buffers``) take the average's values (collective at stages 1-2)."""
         changed = set()
         for fp, avg in zip(sharded.flat_params, self.shards):
             if avg is not None:
                 fp.master.copy_(avg)
                 changed.add(fp)
-        for name, buf in sharded.module.named_buffers():
+        for name, buf in sharded.module.named_buffers() if buffers else ():
             buf.copy_(self.buffers[name])
         sharded.refresh(changed)
 

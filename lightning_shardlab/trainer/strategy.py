@@ -37,22 +37,32 @@ from lightning_shardlab.sharding.gathered import Modules, gathered_params
 from lightning_shardlab.sharding.materialize import has_meta
 from lightning_shardlab.sharding.optimizer import global_grad_norm, shard_optimizer
 from lightning_shardlab.sharding.sharded_model import ShardedModel
+from lightning_shardlab.trainer.ema import ShardLabEMA
 from lightning_shardlab.trainer.lightning_callbacks import gather_for_weight_readers, restore_param_groups
 from lightning_shardlab.trainer.precision import ShardLabPrecision, shardlab_precision
+from lightning_shardlab.trainer.swa import ShardLabSWA, shard_weight_averaging
 
 
 def refuse_unsharded_callbacks(callbacks: list[Any]) -> None:
-    """Lightning's weight averaging deep-copies the whole module on every rank and reads its weights, which
-    at stage 3 are spread over the ranks: refused, on every rank, naming the sharded replacement."""
+    """Lightning's ``StochasticWeightAveraging`` becomes ``ShardLabSWA`` (trainer/swa.py); its other weight averaging
+    deep-copies the whole module on every rank and reads its weights, which at stage 3 are spread over the ranks:
+    refused, on every rank, naming the sharded replacement. One average per model (ShardLabEMA or SWA)."""
+    shard_weight_averaging(callbacks)
     for callback in callbacks:
-        if isinstance(callback, (WeightAveraging, StochasticWeightAveraging)):
+        if isinstance(callback, (WeightAveraging, StochasticWeightAveraging)) and not isinstance(callback, ShardLabSWA):
             raise ValueError(
                 f"{type(callback).__name__} keeps an unsharded copy of the whole model on every rank, which the"
                 " shardlab strategy does not support (at stage 3 each rank holds a slice of the weights between steps)."
-                " HINT: use"
-                " lightning_shardlab.ShardLabEMA(decay=...), which keeps each rank's share of the average and gives"
-                " EMAWeightAveraging's numbers."
+                " HINT: use lightning_shardlab.ShardLabEMA(decay=...), which keeps each rank's share of the average"
+                " and gives EMAWeightAveraging's numbers, or Lightning's StochasticWeightAveraging itself (not a"
+                " subclass: shardlab runs it as ShardLabSWA, sharded)."
             )
+    averaging = [type(c).__name__ for c in callbacks if isinstance(c, (ShardLabEMA, ShardLabSWA))]
+    if len(averaging) > 1:
+        raise ValueError(
+            f"callbacks {averaging} each keep an average of the weights; the shardlab strategy keeps one per model."
+            " HINT: use one of them."
+        )
 
 
 class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
