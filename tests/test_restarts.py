@@ -7,7 +7,8 @@ one torchrun launch restarts (and resumes) every stage in turn, each a ``trainer
 processes. DDP's restart is computed in the kept world (the run to epoch 1's checkpoint, then a fresh Trainer
 resuming from it), and checked once against a real one: killed, then launched again (``RESUMABLE_LAUNCH=1``; a
 fresh launch, since under torchrun torch's own process group meets the dead attempt's keys in the agent's store,
-which is what shardlab's groups avoid: comm/store.py).
+which is what shardlab's groups avoid: comm/store.py). That launch and the SIGTERM test's are one chain launched
+four times (``--die-at-step`` and ``--die-how`` per entry): each launch resumes one entry and hurts the next.
 """
 
 from __future__ import annotations
@@ -101,17 +102,36 @@ def ddp_restarted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.T
     return weights
 
 
+SIGTERM_AT = {"shardlab_stage_2": DIE_AT, "ddp@sigterm": DIE_AT + 1}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[set[str]]]:
+    """One chain, launched again until it is done (4 launches): ``ddp`` killed at step 5 (rank 1 exits: the launch
+    fails), then each of ``ddp@sigterm`` and ``shardlab_stage_2`` sent SIGTERM (at steps 6 and 5: each such launch
+    exits 0). Each launch resumes the entry the last one hurt and hurts the next; DDP never runs after shardlab in
+    the same processes. Also which entries had final weights after each launch."""
+    out = tmp_path_factory.mktemp("launches")
+    chain = ("ddp", "ddp@sigterm", "shardlab_stage_2")
+    steps, hows = (DIE_AT, SIGTERM_AT["ddp@sigterm"], SIGTERM_AT["shardlab_stage_2"]), ("exit", "sigterm", "sigterm")
+    job = ("--chain", ",".join(chain), "--die-at-step", ",".join(map(str, steps)), "--die-how", ",".join(hows))
+    done = []
+    for launch in range(len(chain) + 1):
+        torchrun(out, *job, launch=launch, ok=launch > 0)
+        done.append({name for name in chain if (out / name / "final.pt").exists()})
+    return out, done
+
+
 def test_ddp_restarted_in_process_is_ddp_restarted_by_a_launch(
-    tmp_path: Path, ddp_restarted: dict[str, torch.Tensor]
+    launches: tuple[Path, list[set[str]]], ddp_restarted: dict[str, torch.Tensor]
 ) -> None:
     """The reference above is what a real restart of DDP computes: killed at step 5, launched again."""
-    job = ("--chain", "ddp", "--die-at-step", str(DIE_AT))
-    torchrun(tmp_path, *job, ok=False)
-    torchrun(tmp_path, *job, launch=1)
-    assert [(e["event"], e["step"]) for e in diary(tmp_path, "ddp")] == [
-        ("start", 0), ("hurt (exit)", DIE_AT), ("start", 4)
+    out, done = launches
+    assert "ddp" not in done[0] and "ddp" in done[1], done
+    assert [(e["attempt"], e["event"], e["step"]) for e in diary(out, "ddp")] == [
+        (0, "start", 0), (0, "hurt (exit)", DIE_AT), (1, "start", 4)
     ]  # fmt: skip
-    assert_same_weights(final(tmp_path, "ddp"), ddp_restarted, "DDP restarted by a launch")
+    assert_same_weights(final(out, "ddp"), ddp_restarted, "DDP restarted by a launch")
 
 
 def test_a_killed_rank_restarted_by_torchrun_resumes_at_every_stage(
@@ -155,22 +175,23 @@ def test_hybrid_2x2_restarted_by_torchrun_resumes(tmp_path: Path) -> None:
     assert_same_weights(final(tmp_path / "hybrid", "shardlab"), reference, "hybrid 2x2")
 
 
-def test_sigterm_to_every_rank_stops_with_a_checkpoint_and_a_fresh_launch_resumes(tmp_path: Path) -> None:
+def test_sigterm_to_every_rank_stops_with_a_checkpoint_and_a_fresh_launch_resumes(
+    launches: tuple[Path, list[set[str]]],
+) -> None:
     """SIGTERM to every rank as step 6 begins (what a preempting scheduler sends): every rank stops after the same
     step, the one after it (guard/orderly_stop.py: agreed through the store, no collective per step), ``last.ckpt`` is
     written first and the job exits (0: Lightning's ``SIGTERMException`` is a ``SystemExit``); launched again, it
     resumes from step 7. DDP, signalled as step 7 begins, stops after it (Lightning's own handling) and resumes the
-    same way: a mid-epoch resume replays what Lightning replays, so both stop after the same step to be one run."""
-    for name, at in (("shardlab_stage_2", DIE_AT), ("ddp", DIE_AT + 1)):
-        job = ("--chain", name, "--die-at-step", str(at), "--die-how", "sigterm")
-        torchrun(tmp_path, *job)
-        assert not (tmp_path / name / "final.pt").exists()
-        torchrun(tmp_path, *job, launch=1)
-        events = diary(tmp_path, name)
+    same way: a mid-epoch resume replays what Lightning replays, so both stop after the same step to be one run.
+    (Launches 1 to 3 of the chain above: each signalled in one launch, resumed by the next.)"""
+    out, done = launches
+    for k, name in enumerate(("ddp@sigterm", "shardlab_stage_2"), start=1):
+        assert name not in done[k] and name in done[k + 1], (name, done)  # stopped by SIGTERM: no final weights
+        events = diary(out, name)
         assert [(e["attempt"], e["event"], e["step"]) for e in events] == [
-            (0, "start", 0), (0, "hurt (sigterm)", at), (1, "start", DIE_AT + 2)
+            (k, "start", 0), (k, "hurt (sigterm)", SIGTERM_AT[name]), (k + 1, "start", DIE_AT + 2)
         ], events  # fmt: skip
-    assert_same_weights(final(tmp_path, "shardlab_stage_2"), final(tmp_path, "ddp"), "after SIGTERM")
+    assert_same_weights(final(out, "shardlab_stage_2"), final(out, "ddp@sigterm"), "after SIGTERM")
 
 
 def fit_twice_reopening_the_group(out: str) -> list[int]:

@@ -16,9 +16,10 @@ To show it, and for the tests and ``benchmarks/restarts.py``, the job can hurt i
 once optimizer step N of its first attempt is done (``--die-how exit``: rank 1 leaves at once, as a crashed rank
 does; ``sigterm``: every rank is sent SIGTERM, as a preempted job is; ``raise``: every rank raises ``Stopped``).
 ``--chain`` runs several strategies one after another in the same processes (``trainer.fit`` again, new groups each
-time), each hurt the first time it runs: each restart resumes one of them and hurts the next. Each strategy's final
-weights go to ``OUT/<name>/final.pt`` and what each attempt did (the step it resumed from, a save in flight when it
-died) to ``OUT/<name>/attempts.jsonl``.
+time), each hurt the first time it runs (``--die-at-step`` and ``--die-how`` take one value, or one per entry:
+``--chain shardlab_stage_2,ddp --die-at-step 5,6``): each restart resumes one of them and hurts the next. Each
+strategy's final weights go to ``OUT/<name>/final.pt`` and what each attempt did (the step it resumed from, a save in
+flight when it died) to ``OUT/<name>/attempts.jsonl``.
 """
 
 from __future__ import annotations
@@ -179,14 +180,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "2")))
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps-per-epoch", type=int, default=4)
-    parser.add_argument("--die-at-step", type=int, default=0, help="end the first attempt after this step")
-    parser.add_argument("--die-how", choices=("exit", "sigterm", "raise"), default="exit")
+    parser.add_argument(
+        "--die-at-step", default="0", help="end the first attempt after this step (or one per --chain entry: 5,6)"
+    )
+    parser.add_argument("--die-how", default="exit", help="exit, sigterm or raise (or one per --chain entry)")
     parser.add_argument("--async-save", action="store_true", help="shardlab's async_save=True")
     parser.add_argument("--shard-group-size", type=int, default=None, help="hybrid sharding: ranks per shard group")
     args = parser.parse_args(argv)
+    chain = args.chain.split(",")
+    steps, hows = (
+        per_entry(text, len(chain), option)
+        for text, option in ((args.die_at_step, "--die-at-step"), (args.die_how, "--die-how"))
+    )
+    if any(how not in ("exit", "sigterm", "raise") for how in hows):
+        parser.error(f"--die-how: each of exit, sigterm, raise, not {args.die_how!r}")
     torch.set_num_threads(1)
-    for spec in args.chain.split(","):
-        fit_one(spec, args)
+    for spec, step, how in zip(chain, steps, hows):
+        fit_one(spec, argparse.Namespace(**{**vars(args), "die_at_step": int(step), "die_how": how}))
+
+
+def per_entry(text: str, entries: int, option: str) -> list[str]:
+    """``option``'s value for each of the chain's ``entries``: one for all, or one each."""
+    values = text.split(",")
+    if len(values) not in (1, entries):
+        raise SystemExit(f"{option}: one value, or one per --chain entry ({entries}), not {text!r}")
+    return values * entries if len(values) == 1 else values
 
 
 if __name__ == "__main__":
