@@ -22,6 +22,7 @@ import json
 import os
 import resource
 import time
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -56,10 +57,12 @@ class Cap(L.Callback):
         resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
 
 
-def train(runs: list[dict], cap: int) -> list[dict]:
+def train(runs: list[dict], cap: int, out: str | None = None) -> list[dict]:
     """Each of ``runs`` (``micro_batch_size``, ``accumulate_grad_batches``, strategy options) trains 2 optimizer
-    steps in turn, stage 1 unless set, fp32, under RLIMIT_DATA = its VmData at fit's setup + ``cap`` (``Cap``)."""
-    out = []
+    steps in turn, stage 1 unless set, fp32, under RLIMIT_DATA = its VmData at fit's setup + ``cap`` (``Cap``).
+    With ``out``, what the runs so far did is written to ``out/rank{RANK}.json`` after each (every rank's before
+    the next run starts), so that a run failing leaves the report of those before it."""
+    done = []
     for run in runs:
         options = {"stage": 1, **run}
         b, accumulate = options.pop("micro_batch_size"), options.pop("accumulate_grad_batches", 1)
@@ -77,10 +80,14 @@ def train(runs: list[dict], cap: int) -> list[dict]:
         gc.collect()
         start = time.monotonic()
         trainer.fit(model, data)
-        out.append({"run": run, "steps": trainer.global_step, "seconds": time.monotonic() - start})
+        done.append({"run": run, "steps": trainer.global_step, "seconds": time.monotonic() - start})
         resource.setrlimit(resource.RLIMIT_DATA, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         del trainer, model, data
-    return out
+        if out is not None:
+            with open(f"{out}/rank{os.environ['RANK']}.json", "w") as f:
+                json.dump(done, f)
+            torch.distributed.barrier()
+    return done
 
 
 CAP = 128 * MB  # the device memory given to the plan, and to each rank on top of what it holds
@@ -97,7 +104,7 @@ def verdict(micro_batch_size: int) -> dict:
     return {"fits": plan.fits, "peak": plan.step_peak["total"], **plan.fit}
 
 
-def test_what_the_plan_says_fits_trains_under_the_cap_and_what_it_says_does_not_fails() -> None:
+def test_what_the_plan_says_fits_trains_under_the_cap_and_what_it_says_does_not_fails(tmp_path: Path) -> None:
     x, y = verdict(1), verdict(8)
     assert x["fits"] and x["peak"] < 0.4 * CAP, x["peak"] / MB  # X: micro-batch 1
     assert not y["fits"] and y["peak"] > 2 * CAP, y["peak"] / MB  # Y: micro-batch 8
@@ -106,10 +113,10 @@ def test_what_the_plan_says_fits_trains_under_the_cap_and_what_it_says_does_not_
     fix = {**choice["options"]}  # e.g. micro-batch 2 x 4 accumulation steps: the same 8 sequences per step
     print(f"\ncap {CAP / MB:.0f} MiB; predicted X {x['peak'] / MB:.1f} MiB, Y {y['peak'] / MB:.1f} MiB,"
           f" {choice['name']} {choice['peak']['total'] / MB:.1f} MiB")  # fmt: skip
-    runs = run_ranks("tests.test_plan_verdicts:train", WORLD, {"runs": [{"micro_batch_size": 1}, fix], "cap": CAP},
-                     timeout=120, env=MALLOC)  # fmt: skip
-    for rank in runs:
-        assert [r["steps"] for r in rank] == [2, 2], rank  # X and the chosen change train under the cap
-    with pytest.raises(RankFailed, match="can't allocate memory|out of memory|MemoryError"):
-        run_ranks("tests.test_plan_verdicts:train", WORLD, {"runs": [{"micro_batch_size": 8}], "cap": CAP},
-                  timeout=120, env=MALLOC)  # fmt: skip
+    # one launch: X and the chosen change, then Y (each under its own cap: what the rank holds at its setup + CAP)
+    kwargs = {"runs": [{"micro_batch_size": 1}, fix, {"micro_batch_size": 8}], "cap": CAP, "out": str(tmp_path)}
+    with pytest.raises(RankFailed, match="can't allocate memory|out of memory|MemoryError"):  # Y fails
+        run_ranks("tests.test_plan_verdicts:train", WORLD, kwargs, timeout=180, env=MALLOC)
+    for rank in range(WORLD):
+        runs = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [r["steps"] for r in runs] == [2, 2], runs  # X and the chosen change trained under the cap
