@@ -8,7 +8,8 @@ processes. DDP's restart is computed in the kept world (the run to epoch 1's che
 resuming from it), and checked once against a real one: killed, then launched again (``RESUMABLE_LAUNCH=1``; a
 fresh launch, since under torchrun torch's own process group meets the dead attempt's keys in the agent's store,
 which is what shardlab's groups avoid: comm/store.py). That launch and the SIGTERM test's are one chain launched
-four times (``--die-at-step`` and ``--die-how`` per entry): each launch resumes one entry and hurts the next.
+four times (``--die-at-step`` and ``--die-how`` per entry): each launch resumes one entry and hurts the next. The
+tests of the three stages and of ``async_save`` share one launch (4 restarts) the same way.
 """
 
 from __future__ import annotations
@@ -134,33 +135,48 @@ def test_ddp_restarted_in_process_is_ddp_restarted_by_a_launch(
     assert_same_weights(final(out, "ddp"), ddp_restarted, "DDP restarted by a launch")
 
 
+STAGES = ["shardlab_stage_1", "shardlab_stage_2", "shardlab"]
+ASYNC = "shardlab@async"  # stage 3 again, with async_save, in its own directory
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One torchrun launch with 4 restarts of the chain: stages 1, 2, 3 (rank 1 dies after step 5 of each), then
+    stage 3 with ``async_save`` (rank 1 dies after step 8)."""
+    out = tmp_path_factory.mktemp("restarted")
+    chain = [*STAGES, ASYNC]
+    steps, saves = [DIE_AT] * len(STAGES) + [8], ["0"] * len(STAGES) + ["1"]
+    job = ("--chain", ",".join(chain), "--die-at-step", ",".join(map(str, steps)), "--async-save", ",".join(saves))
+    torchrun(out, *job, restarts=len(chain))
+    return out
+
+
 def test_a_killed_rank_restarted_by_torchrun_resumes_at_every_stage(
-    tmp_path: Path, ddp_restarted: dict[str, torch.Tensor]
+    restarted: Path, ddp_restarted: dict[str, torch.Tensor]
 ) -> None:
-    """Stages 1, 2, 3 in one torchrun launch with 3 restarts: each attempt loses rank 1 at step 5 of one stage; the
+    """Stages 1, 2, 3 in one torchrun launch with restarts: each attempt loses rank 1 at step 5 of one stage; the
     next resumes it from step 4 (and opens the next stage's groups in the same processes)."""
-    chain = ["shardlab_stage_1", "shardlab_stage_2", "shardlab"]
-    torchrun(tmp_path, "--chain", ",".join(chain), "--die-at-step", str(DIE_AT), restarts=len(chain))
-    for k, name in enumerate(chain):
-        events = diary(tmp_path, name)
+    for k, name in enumerate(STAGES):
+        events = diary(restarted, name)
         assert [(e["attempt"], e["event"], e["step"]) for e in events] == [
             (k, "start", 0), (k, "hurt (exit)", DIE_AT), (k + 1, "start", 4)
         ], events  # fmt: skip
-        assert_same_weights(final(tmp_path, name), ddp_restarted, name)
+        assert_same_weights(final(restarted, name), ddp_restarted, name)
 
 
 def test_a_killed_rank_during_an_async_save_resumes_from_the_last_complete_checkpoint(
-    tmp_path: Path, ddp_restarted: dict[str, torch.Tensor]
+    restarted: Path, ddp_restarted: dict[str, torch.Tensor]
 ) -> None:
-    """Stage 3 with ``async_save``: rank 1 dies just after step 8, while epoch 2's ``last.ckpt`` is still in flight
-    (not complete); the restart resumes from the last complete one, epoch 1's (step 4)."""
-    torchrun(tmp_path, "--chain", "shardlab", "--async-save", "--die-at-step", "8", restarts=1)
-    events = diary(tmp_path, "shardlab")
+    """Stage 3 with ``async_save`` (the chain's last entry): rank 1 dies just after step 8, while epoch 2's
+    ``last.ckpt`` is still in flight (not complete); the restart resumes from the last complete one, epoch 1's
+    (step 4)."""
+    events = diary(restarted, ASYNC)
+    k = len(STAGES)
     assert [(e["attempt"], e["event"], e["step"]) for e in events] == [
-        (0, "start", 0), (0, "hurt (exit)", 8), (1, "start", 4)
+        (k, "start", 0), (k, "hurt (exit)", 8), (k + 1, "start", 4)
     ], events  # fmt: skip
     assert events[1]["save_in_flight"], events
-    assert_same_weights(final(tmp_path, "shardlab"), ddp_restarted, "async")
+    assert_same_weights(final(restarted, ASYNC), ddp_restarted, "async")
 
 
 def test_hybrid_2x2_restarted_by_torchrun_resumes(tmp_path: Path) -> None:

@@ -16,10 +16,10 @@ To show it, and for the tests and ``benchmarks/restarts.py``, the job can hurt i
 once optimizer step N of its first attempt is done (``--die-how exit``: rank 1 leaves at once, as a crashed rank
 does; ``sigterm``: every rank is sent SIGTERM, as a preempted job is; ``raise``: every rank raises ``Stopped``).
 ``--chain`` runs several strategies one after another in the same processes (``trainer.fit`` again, new groups each
-time), each hurt the first time it runs (``--die-at-step`` and ``--die-how`` take one value, or one per entry:
-``--chain shardlab_stage_2,ddp --die-at-step 5,6``): each restart resumes one of them and hurts the next. Each
-strategy's final weights go to ``OUT/<name>/final.pt`` and what each attempt did (the step it resumed from, a save in
-flight when it died) to ``OUT/<name>/attempts.jsonl``.
+time), each hurt the first time it runs (``--die-at-step``, ``--die-how`` and ``--async-save`` take one value, or
+one per entry: ``--chain shardlab_stage_2,ddp --die-at-step 5,6``): each restart resumes one of them and hurts the
+next. Each strategy's final weights go to ``OUT/<name>/final.pt`` and what each attempt did (the step it resumed
+from, a save in flight when it died) to ``OUT/<name>/attempts.jsonl``.
 """
 
 from __future__ import annotations
@@ -184,19 +184,23 @@ def main(argv: list[str] | None = None) -> None:
         "--die-at-step", default="0", help="end the first attempt after this step (or one per --chain entry: 5,6)"
     )
     parser.add_argument("--die-how", default="exit", help="exit, sigterm or raise (or one per --chain entry)")
-    parser.add_argument("--async-save", action="store_true", help="shardlab's async_save=True")
+    parser.add_argument(
+        "--async-save", nargs="?", const="1", default="0", help="shardlab's async_save=True (or 0/1 per --chain entry)"
+    )
     parser.add_argument("--shard-group-size", type=int, default=None, help="hybrid sharding: ranks per shard group")
     args = parser.parse_args(argv)
     chain = args.chain.split(",")
-    steps, hows = (
+    steps, hows, saves = (
         per_entry(text, len(chain), option)
-        for text, option in ((args.die_at_step, "--die-at-step"), (args.die_how, "--die-how"))
-    )
-    if any(how not in ("exit", "sigterm", "raise") for how in hows):
-        parser.error(f"--die-how: each of exit, sigterm, raise, not {args.die_how!r}")
+        for text, option in ((args.die_at_step, "--die-at-step"), (args.die_how, "--die-how"),
+                             (args.async_save, "--async-save"))
+    )  # fmt: skip
+    if any(how not in ("exit", "sigterm", "raise") for how in hows) or any(a not in ("0", "1") for a in saves):
+        parser.error(f"--die-how: each of exit, sigterm, raise ({args.die_how!r}); --async-save: 0 or 1")
     torch.set_num_threads(1)
-    for spec, step, how in zip(chain, steps, hows):
-        fit_one(spec, argparse.Namespace(**{**vars(args), "die_at_step": int(step), "die_how": how}))
+    for spec, step, how, save in zip(chain, steps, hows, saves):
+        entry = {"die_at_step": int(step), "die_how": how, "async_save": save == "1"}
+        fit_one(spec, argparse.Namespace(**{**vars(args), **entry}))
 
 
 def per_entry(text: str, entries: int, option: str) -> list[str]:
