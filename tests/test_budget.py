@@ -156,12 +156,13 @@ def test_stage_3_moves_about_one_and_a_half_times_the_bytes_of_stages_1_and_2(tm
 
 @pytest.mark.parametrize(("world_size", "group"), [(2, None), (4, 2)], ids=["2", "2x2"])
 def test_plan_of_a_real_model_agrees_with_a_real_run(world_size: int, group: int | None, tmp_path: Path) -> None:
-    """2x2: hybrid sharding, two shard groups of 2; the plan's traffic per group kind is the ledger's."""
+    """2x2: hybrid sharding, two shard groups of 2; the plan's traffic per group kind is the ledger's (3 steps: the
+    warm-up and two of the steady state, whose traffic per step is compared)."""
     options = {"shard_group_size": group, "unit_bucket_params": 0}
     results = run_ranks(
         "tests.test_budget:budget_run",
         world_size,
-        {"world_size": world_size, "stage": 3, "out": str(tmp_path), **options},
+        {"world_size": world_size, "stage": 3, "out": str(tmp_path), "steps": 3, **options},
         timeout=240,
     )
     with torch.device("meta"):
