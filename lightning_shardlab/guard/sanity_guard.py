@@ -154,6 +154,11 @@ class SanityGuard:
             self.watchdog.close()
         if self.orderly is not None:
             self.orderly.uninstall()
+        for part in (self.watchdog, self.orderly, self.strict):
+            if part is not None and part.channel is not None:
+                part.channel.close()  # the store connections go now, not at the next garbage collection
+        if self.strict is not None:
+            self.strict.store = None  # type: ignore[assignment]
 
     def __enter__(self) -> SanityGuard:
         return self.start()

@@ -88,6 +88,11 @@ class SideChannel:
         """Another connection to the same namespace (one per thread)."""
         return dist.PrefixStore(self.prefix, self._base.clone())
 
+    def close(self) -> None:
+        """Let go of this channel's connection once its checks are over: a connection closes when its last
+        client object goes, which a finished Trainer's reference cycles would otherwise put off."""
+        self.store = self._base = None  # type: ignore[assignment]
+
     # ---- JSON values on this channel's own connection ----
 
     def put(self, key: str, value: Any) -> None:
