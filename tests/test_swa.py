@@ -6,7 +6,7 @@ averaging from the second with 2 epochs of cosine annealing (SWALR takes the lea
 DDP and at stages 1, 2 and 3 (the callback turned into ``ShardLabSWA`` in place): every step's loss, the learning
 rates SWALR set, and the final weights and batch-norm statistics equal DDP's. At stages 2 and 3 a run resumed from
 the checkpoint of epoch 2 (mid-averaging: the average, ``n_averaged`` and SWALR's state inside) ends on the
-uninterrupted run's weights.
+uninterrupted run's weights. ShardLabEMA and SWA together are refused on every rank.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ def swa_runs(stages: list[int], resumed: list[int], tmp: str) -> dict[str, Any]:
             again = _fit(ShardLabStrategy(stage=stage), ckpt=str(saved[0]))
             _same(again, ours, f"resumed from {saved[0].name}, {where}", rank)
             report[stage]["resumed_lrs"] = again["lrs"]
+    report["with_ema"] = refused_with_ema()
     return report
 
 
@@ -98,6 +99,8 @@ def test_stochastic_weight_averaging_equals_ddp_at_every_stage_and_resumes(tmp_p
             assert ours["lrs"] == ddp["lrs"] and ours["epoch"] == ddp["epoch"], (stage, ours, ddp)
             if stage in (2, 3):
                 assert ours["resumed_lrs"] == ddp["lrs"][-len(ours["resumed_lrs"]) :], ours
+        # two averages of one model (ShardLabEMA and SWA) are refused on every rank, in the same launch
+        assert "['ShardLabEMA', 'ShardLabSWA'] each keep an average" in report["with_ema"], report["with_ema"]
 
 
 def refused_with_ema() -> str:
@@ -112,8 +115,3 @@ def refused_with_ema() -> str:
     except ValueError as err:
         return str(err)
     return "not refused"
-
-
-def test_two_averages_of_one_model_are_refused_on_every_rank() -> None:
-    for message in run_ranks("tests.test_swa:refused_with_ema", 2, timeout=120):
-        assert "['ShardLabEMA', 'ShardLabSWA'] each keep an average" in message, message
