@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lightning_shardlab import ShardLabStrategy
 from lightning_shardlab.checkpoint.describe import describe
+from lightning_shardlab.checkpoint.format import shards_of
 from lightning_shardlab.checkpoint.save_load import full_optimizer_state
 from tests.helpers.launch import run_ranks
 from tests.models import OrderedData, TinyCNN, TinyGPT, image_dataset, token_dataset
@@ -91,8 +92,16 @@ def differences(a: Any, b: Any, where: str = "") -> list[str]:
 
 
 def complete_checkpoints(directory: Path) -> dict[str, bool]:
-    """Every entry of a ModelCheckpoint directory: name -> has a COMPLETE marker (or is a full file)."""
-    return {p.name: p.is_file() or (p / "COMPLETE").is_file() for p in directory.iterdir()}
+    """Every checkpoint in a ModelCheckpoint directory: name -> complete (a full file; a model file whose shard
+    directory has its COMPLETE marker). A shard directory that no model file names is an entry of its own (a
+    leftover: never complete)."""
+    named = {shards_of(p) for p in directory.iterdir()} - {None}
+    found = {}
+    for p in directory.iterdir():
+        if p.resolve() not in named:
+            shards = shards_of(p)
+            found[p.name] = (shards / "COMPLETE").is_file() if shards else p.is_file() or (p / "COMPLETE").is_file()
+    return found
 
 
 # ---- exact resume ----
@@ -232,14 +241,14 @@ def test_resume_equals_uninterrupted_run_bit_for_bit(
     assert any(name.startswith("epoch=0") for name in first["listing_epoch_1"])
     names = complete_checkpoints(tmp_path / "ckpts")
     assert names == {best.name: True, last.name: True}, names  # nothing else: no leftovers, no epoch 0
-    assert (best.is_dir(), last.is_dir()) == ((state_dict_type == "sharded",) * 2)
+    assert (shards_of(best) is not None, shards_of(last) is not None) == ((state_dict_type == "sharded",) * 2)
     assert last.is_symlink() == link_last and Path(first["resumed_from"]) == last
     # validate / test from the best checkpoint on a fresh model: exactly the score it was chosen by
     for report in reports:
         assert report["val"] == report["best_score"] and report["test"] == report["best_score"]
-    if state_dict_type == "full":  # a plain Lightning file: loads strictly without the strategy
-        plain = TinyGPT.load_from_checkpoint(tmp_path / "explicit.ckpt", map_location="cpu")
-        assert set(plain.state_dict()) == set(first["state"])
+    # either format's path is a torch file that Lightning loads strictly without the strategy
+    plain = TinyGPT.load_from_checkpoint(tmp_path / "explicit.ckpt", map_location="cpu")
+    assert set(plain.state_dict()) == set(first["state"])
 
 
 # ---- buffers: per-rank side state that the strategy itself knows how to reshard ----

@@ -18,8 +18,9 @@ import torch
 
 import lightning_shardlab.checkpoint.sharded_save as checkpoint_sharded
 from lightning_shardlab import ShardLabStrategy
-from lightning_shardlab.checkpoint.atomic import CheckpointError, leftovers
+from lightning_shardlab.checkpoint.atomic import CheckpointError
 from lightning_shardlab.checkpoint.describe import describe
+from lightning_shardlab.checkpoint.format import shards_of, unfinished_saves
 from tests.helpers.launch import RankFailed, run_ranks
 from tests.models import OrderedData, TinyGPT, token_dataset
 from tests.test_checkpoint import QUIET, differences, snapshot
@@ -99,8 +100,8 @@ def _damage(ckpt: Path, tmp: Path) -> dict[str, str]:
     """Damaged copies of ``ckpt``: name -> the file the error must name."""
     expected = {}
 
-    def copy(name: str, file: str) -> Path:
-        shutil.copytree(ckpt, tmp / name)
+    def copy(name: str, file: str) -> Path:  # the shard directory (which loads as the checkpoint it is)
+        shutil.copytree(shards_of(ckpt), tmp / name)
         expected[name] = file
         return tmp / name
 
@@ -117,6 +118,9 @@ def _damage(ckpt: Path, tmp: Path) -> dict[str, str]:
     target.write_text(target.read_text().replace('"stage": 3', '"stage": 1'))
     target = copy("trainer_state", "trainer_state.pt") / "trainer_state.pt"
     target.write_bytes(target.read_bytes()[:-1])
+    (tmp / "alone").mkdir()
+    shutil.copy(ckpt, tmp / "alone" / ckpt.name)  # the model file without its shards
+    expected[f"alone/{ckpt.name}"] = f"{ckpt.name}.shards-"
     expected["nowhere"] = "nowhere"
     return expected
 
@@ -127,7 +131,8 @@ def test_killed_rank_leaves_the_previous_checkpoint_and_damage_is_refused(tmp_pa
     assert died.value.rank == 1 and "exited with -9" in str(died.value)
     ckpt = tmp_path / "ckpt"
     assert describe(ckpt, verify=True)["problems"] == []  # the previous checkpoint: complete, every checksum right
-    (unfinished,) = leftovers(ckpt)  # the interrupted save: never marked complete
+    unfinished, model_file = unfinished_saves(ckpt)  # the interrupted save: never marked complete, never in place
+    assert model_file.name.startswith("ckpt.tmp-") and unfinished.name.startswith("ckpt.shards-")
     assert not (unfinished / "COMPLETE").exists() and not (unfinished / "metadata.json").exists()
     assert (unfinished / "shard-00001-of-00002.pt").stat().st_size > 0  # rank 1 died mid-write
     shutil.copytree(unfinished, tmp_path / "unfinished")
@@ -155,7 +160,7 @@ def test_killed_rank_leaves_the_previous_checkpoint_and_damage_is_refused(tmp_pa
     assert kind == "CheckpointError" and "rank 1 could not write" in message and "No space left" in message
     assert reports[1]["refused"]["rank_1_cannot_write"] == (kind, message)
     assert describe(ckpt, verify=True)["problems"] == []  # the failed save changed nothing
-    assert leftovers(ckpt) == [unfinished]  # and cleaned up after itself
+    assert unfinished_saves(ckpt) == [unfinished, model_file]  # and cleaned up after itself
 
 
 def test_state_dict_type_is_validated() -> None:

@@ -28,6 +28,7 @@ from torch.testing import assert_close
 from lightning_shardlab import ShardLabStrategy
 from lightning_shardlab.checkpoint.consolidate import consolidate
 from lightning_shardlab.checkpoint.describe import describe
+from lightning_shardlab.checkpoint.format import shards_of
 from tests.helpers.launch import run_commands, run_ranks
 from tests.helpers.reference import FP32
 from tests.models import GroupedGPT, OrderedData, RegressionNet, global_batches, regression_dataset, token_dataset
@@ -219,6 +220,8 @@ def test_consolidated_checkpoint_loads_without_this_package(
     code = (  # plain torch reads the file: no class of this package is in it, and nothing of it is imported
         "import sys, torch\n"
         f"ckpt = torch.load({str(dst)!r}, weights_only=True)\n"
+        f"own = torch.load({str(a)!r}, weights_only=True)\n"  # the sharded checkpoint's path itself, too
+        "assert all(torch.equal(v, own['state_dict'][k]) for k, v in ckpt['state_dict'].items())\n"
         "assert not any(m.startswith('lightning_shardlab') for m in sys.modules), 'imported lightning_shardlab'\n"
         "print('plain load ok', len(ckpt['state_dict']))\n"
     )
@@ -230,12 +233,15 @@ def test_consolidated_checkpoint_loads_without_this_package(
     ckpt = torch.load(dst, weights_only=True)
     assert list(ckpt["state_dict"]) == list(model.state_dict())
     assert all(torch.equal(v, ckpt["state_dict"][k]) for k, v in model.state_dict().items())
+    # the sharded checkpoint's own path loads the same way, in this plain process, to the same values
+    direct = GroupedGPT.load_from_checkpoint(a, map_location="cpu", strict=True)
+    assert all(torch.equal(v, ckpt["state_dict"][k]) for k, v in direct.state_dict().items())
     # shardlab inspect: stage, world size, units, bytes per rank, and where every parameter lives
     info = describe(a, verify=True)
     assert info["problems"] == [] and info["verified"]
     assert (info["world_size"], info["stage"], info["precision"]) == (2, 3, "32-true")
     for rank in info["per_rank"]:
-        assert rank["bytes"] == sum((a / name).stat().st_size for name in rank["files"]) > 0
+        assert rank["bytes"] == sum((shards_of(a) / name).stat().st_size for name in rank["files"]) > 0
     assert set(info["units"]) == {"root"}  # three small blocks, fewer than unit_bucket_params: no units of their own
     frozen = [fp for fp in info["units"]["root"] if "frozen" in fp["flat_param"]]
     assert frozen and frozen[0]["tensors"] == ["master"]  # a frozen flat parameter has no optimizer state

@@ -28,10 +28,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_shardlab import ShardLabStrategy
-from lightning_shardlab.checkpoint.atomic import CheckpointError, leftovers
+from lightning_shardlab.checkpoint.atomic import CheckpointError
 from lightning_shardlab.checkpoint.consolidate import consolidate
 from lightning_shardlab.checkpoint.export import export
-from lightning_shardlab.checkpoint.format import CheckpointReader
+from lightning_shardlab.checkpoint.format import CheckpointReader, shards_of, unfinished_saves
 from tests.helpers.launch import run_ranks
 from tests.helpers.peak_rss import peak_rss_growth
 from tests.models import OrderedData, RegressionNet, WideBlocks, regression_dataset, token_dataset
@@ -133,7 +133,7 @@ def big_checkpoint(tmp: str) -> dict:
 def test_export_and_consolidate_stream_a_large_checkpoint(tmp_path: Path) -> None:
     run_ranks("tests.test_checkpoints_at_scale:big_checkpoint", WORLD, {"tmp": str(tmp_path)}, timeout=300)
     src, hf, full, whole = tmp_path / "big.ckpt", tmp_path / "hf", tmp_path / "full.ckpt", tmp_path / "whole.ckpt"
-    size = sum(f.stat().st_size for f in src.iterdir())
+    size = sum(f.stat().st_size for f in shards_of(src).iterdir())
     assert size > 3 * MEMORY_BOUND  # 25.2M parameters: 4 B masters + 8 B moments
     # each in a fresh process (the three at once: each measures only its own): how far it raises that process's
     # peak memory (ru_maxrss) beyond its imports
@@ -206,7 +206,7 @@ class CompleteWhen(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.current_epoch == 1:
-            self.seen.append((Path(self.path) / "COMPLETE").exists())
+            self.seen.append(shards_of(self.path) is not None)  # the model file moves into place last
 
 
 def async_resume(tmp: str) -> dict:
@@ -269,7 +269,7 @@ def test_a_rank_killed_during_a_background_write_leaves_the_previous_checkpoint(
     reader = CheckpointReader.open(tmp_path / "ckpt")
     reader.verify(reader.meta["files"])
     assert reader.load_trainer_state(None)["global_step"] == STEPS_PER_EPOCH
-    assert leftovers(tmp_path / "ckpt"), "the interrupted save's temporary directory"
+    assert unfinished_saves(tmp_path / "ckpt"), "the interrupted save's temporary directory"
     numel = reader.layouts[0].numel  # the reader fills a caller's buffer, and refuses a range no shard holds
     fresh = reader.read("master", 0, 0, numel)
     assert torch.equal(reader.read("master", 0, 0, numel, out=torch.full_like(fresh, float("nan"))), fresh)

@@ -32,6 +32,7 @@ from lightning_shardlab import fabric as shardlab_fabric
 from lightning_shardlab.checkpoint.consolidate import consolidated_checkpoint
 from lightning_shardlab.checkpoint.describe import describe
 from lightning_shardlab.checkpoint.fabric_state import full_parts
+from lightning_shardlab.checkpoint.format import shards_of
 from tests.helpers.cli_tools import every_tool
 from tests.helpers.launch import run_commands, run_ranks
 from tests.helpers.reference import FP32
@@ -540,4 +541,4 @@ def test_the_fabric_example_trains_with_the_budget_guard_and_vitals(tmp_path: Pa
         for category in ("params", "grads", "optimizer_state"):
             assert rank["memory_measured"][category] == rank["memory_predicted"][category], (category, rank)
     assert (out / "vitals" / "vitals.html").exists() and "vital signs dashboard:" in log
-    assert (out / "checkpoint" / "COMPLETE").exists()
+    assert (shards_of(out / "checkpoint") / "COMPLETE").exists()

@@ -79,7 +79,7 @@ def swa_runs(stages: list[int], resumed: list[int], tmp: str) -> dict[str, Any]:
         _same(ours, ddp, where, rank)
         report[stage] = {k: ours[k] for k in ("lrs", "class", "epoch")}
         if stage in resumed:
-            saved = sorted((Path(tmp) / str(stage)).glob("epoch=2-*"))
+            saved = sorted((Path(tmp) / str(stage)).glob("epoch=2-*.ckpt"))
             assert len(saved) == 1, saved
             again = _fit(ShardLabStrategy(stage=stage), ckpt=str(saved[0]))
             _same(again, ours, f"resumed from {saved[0].name}, {where}", rank)

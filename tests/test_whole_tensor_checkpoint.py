@@ -26,6 +26,7 @@ from torch.testing import assert_close
 from lightning_shardlab import ShardLabStrategy
 from lightning_shardlab.checkpoint.consolidate import consolidated_checkpoint
 from lightning_shardlab.checkpoint.describe import describe, render
+from lightning_shardlab.checkpoint.format import shards_of
 from tests.helpers.launch import run_ranks
 from tests.helpers.reference import FP32
 from tests.models import AdafactorGPT, MuonGPT, OrderedData, token_dataset
@@ -104,7 +105,7 @@ def _same_state(actual: dict[str, Any], expected: dict[str, Any], where: str, ex
 def test_owned_state_saves_by_owner_and_resumes_at_another_world_size_and_stage(tmp_path: Path) -> None:
     saved = run_ranks("tests.test_whole_tensor_checkpoint:save_at_two", 2, {"tmp": str(tmp_path)}, timeout=300)[0]
     for name in MODELS:
-        files = sorted(p.name for p in (tmp_path / name).iterdir())
+        files = sorted(p.name for p in shards_of(tmp_path / name).iterdir())
         # the owners' files: both ranks own matrices (the plan balances sizes over the world)
         assert "owned-00000-of-00002.pt" in files and "owned-00001-of-00002.pt" in files, files
         full = consolidated_checkpoint(tmp_path / name)

@@ -48,13 +48,14 @@ def tmp_path(final: Path, tmp_id: str) -> Path:
     return final.with_name(f"{final.name}.tmp-{tmp_id}")
 
 
-def leftovers(final: Path) -> list[Path]:
-    """Unfinished saves (``<name>.tmp-*``) and interrupted replacements (``<name>.old-*``) of ``final``."""
+def leftovers(final: Path, keep: frozenset[Path] = frozenset()) -> list[Path]:
+    """Unfinished saves (``<name>.tmp-*``, and a sharded save's ``<name>.shards-*`` that no model file names:
+    checkpoint/model_file.py) and interrupted replacements (``<name>.old-*``) of ``final``, but for ``keep``."""
     if not final.parent.is_dir():
         return []
-    return sorted(
-        p for pattern in (".tmp-*", ".old-*") for p in final.parent.glob(f"{glob_escape(final.name)}{pattern}")
-    )
+    patterns = (".tmp-*", ".old-*", ".shards-*")
+    found = {p for pattern in patterns for p in final.parent.glob(f"{glob_escape(final.name)}{pattern}")}
+    return sorted(found - keep)
 
 
 def glob_escape(name: str) -> str:
@@ -180,11 +181,10 @@ def remove_path(path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def clear_leftovers(final: Path, keep: Path | None = None) -> None:
-    """Delete unfinished saves of ``final`` (a save of the same destination is starting)."""
-    for path in leftovers(final):
-        if keep is None or path != keep:
-            delete(path)
+def clear_leftovers(final: Path, keep: frozenset[Path] = frozenset()) -> None:
+    """Delete unfinished saves of ``final`` but for ``keep`` (a save of the same destination is starting)."""
+    for path in leftovers(final, keep):
+        delete(path)
 
 
 def same_destination(paths: list[str], action: str) -> None:

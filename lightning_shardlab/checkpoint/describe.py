@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_shardlab.checkpoint.atomic import CheckpointError, leftovers
+from lightning_shardlab.checkpoint.atomic import CheckpointError
 from lightning_shardlab.checkpoint.fabric_state import full_parts
 from lightning_shardlab.checkpoint.format import (
     COMPLETE,
@@ -27,6 +27,8 @@ from lightning_shardlab.checkpoint.format import (
     CheckpointReader,
     read_json,
     saved_range,
+    shards_of,
+    unfinished_saves,
 )
 from lightning_shardlab.checkpoint.owned_state import keys_of
 from lightning_shardlab.core.display import size
@@ -35,6 +37,9 @@ from lightning_shardlab.core.display import size
 def describe(path: str | Path, verify: bool = False) -> dict[str, Any]:
     """Everything ``shardlab inspect`` prints, as plain data."""
     path = Path(path)
+    shards = shards_of(path)
+    if shards is not None:  # a sharded checkpoint's model file: what it holds is described by its shards
+        return {**describe(shards, verify), "model_file": str(path)}
     if path.is_file():
         return _describe_full(path)
     info: dict[str, Any] = {"path": str(path), "kind": "sharded", "problems": []}
@@ -45,7 +50,7 @@ def describe(path: str | Path, verify: bool = False) -> dict[str, Any]:
             else f"no checkpoint at {path}"
         )
         info["present"] = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-        info["unfinished_saves"] = [p.name for p in leftovers(path)]
+        info["unfinished_saves"] = [p.name for p in unfinished_saves(path)]
         if not (path / METADATA).is_file():
             return info
         reader = CheckpointReader(path, read_json(path / METADATA))  # unverified, for the layout
@@ -150,6 +155,8 @@ def _describe_full(path: Path) -> dict[str, Any]:
 
 def render(info: dict[str, Any]) -> str:
     lines = [f"{info['path']}: {info['kind']} checkpoint"]
+    if "model_file" in info:
+        lines.append(f"  the shards of the model file {info['model_file']} (torch.load reads it: the whole state dict)")
     lines += [f"  PROBLEM: {p}" for p in info["problems"]]
     if info["kind"] == "full":
         lines.append(
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="shardlab inspect", description="Describe a shardlab checkpoint: layout, ranks, bytes, parameters."
     )
-    parser.add_argument("ckpt", help="a sharded checkpoint directory or a full checkpoint file")
+    parser.add_argument("ckpt", help="a checkpoint: a sharded one (its path, or its shard directory) or a full file")
     parser.add_argument("--verify", action="store_true", help="check every file's size and sha256, as loading does")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = parser.parse_args(argv)

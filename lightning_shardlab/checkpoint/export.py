@@ -35,7 +35,7 @@ from torch import Tensor
 
 from lightning_shardlab.checkpoint.atomic import CheckpointError, commit, delete, new_id, tmp_path
 from lightning_shardlab.checkpoint.fabric_state import full_parts
-from lightning_shardlab.checkpoint.format import CheckpointReader
+from lightning_shardlab.checkpoint.format import CheckpointReader, shards_of
 from lightning_shardlab.core.display import parse_size
 
 HF_CONFIG_KEY = "hf_config"  # a LightningModule's on_save_checkpoint may store its HF config.to_dict() here
@@ -161,7 +161,7 @@ def export(
     src, final = Path(src), Path(dst).absolute()
     if final.exists():
         raise ValueError(f"DST {dst} exists. HINT: export into a new directory (or remove it first).")
-    if src.is_dir():
+    if src.is_dir() or shards_of(src) is not None:
         reader = CheckpointReader.open(src)
         reader.verify(reader.shard_files())
         trainer_state = reader.load_trainer_state(weights_only)

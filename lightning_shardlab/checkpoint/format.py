@@ -85,6 +85,7 @@ import torch
 from torch import Tensor
 
 from lightning_shardlab.checkpoint.atomic import CheckpointError, check_file, leftovers
+from lightning_shardlab.checkpoint.stream_save import read_record
 from lightning_shardlab.offload.mapped_files import drop_pages
 from lightning_shardlab.sharding.flat_param import FlatParamLayout, ParamSlot
 
@@ -97,6 +98,32 @@ RANK_STATES_KEY = "shardlab_rank_states"  # in trainer_state.pt, and in a consol
 EMA = "ema"  # the tensor kind of ShardLabEMA's averaged shards
 EMA_STATE_DICT = "ema_state_dict"  # in a full (or consolidated) checkpoint: the averaged module state dict
 EMA_RECORD = "shardlab_ema"  # in every checkpoint with an average: {"n_averaged", "use_buffers", "buffers"}
+MODEL_RECORD = "shardlab.json"  # in a model file (checkpoint/model_file.py): the name of its shard directory
+
+
+def shards_of(path: str | Path) -> Path | None:
+    """The shard directory that the model file at ``path`` names (beside the file that ``path`` is or links to);
+    None when ``path`` is not a model file (a directory, a full checkpoint, nothing)."""
+    path = Path(path)
+    record = read_record(path, MODEL_RECORD) if path.is_file() else None
+    if record is None:
+        return None
+    try:
+        name = json.loads(record)["shards"]
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{path} has a malformed {MODEL_RECORD} record. HINT: it is damaged.") from None
+    return path.resolve().parent / name
+
+
+def unfinished_saves(final: Path) -> list[Path]:
+    """What interrupted saves of ``final`` left (checkpoint/atomic.py), not counting the shards ``final`` names."""
+    named = None if final.is_symlink() else shards_of(final)
+    return leftovers(final, keep=frozenset([named] if named is not None else []))
+
+
+def sharded_path(path: str | Path) -> Path:
+    """The shard directory of a sharded checkpoint given by its path (a model file) or by the directory itself."""
+    return shards_of(path) or Path(path)
 
 
 def shard_file(rank: int, world_size: int) -> str:
@@ -167,7 +194,7 @@ def read_json(path: Path) -> Any:
 
 def _describe_missing(path: Path) -> str:
     if not path.exists():
-        unfinished = [p.name for p in leftovers(path)]
+        unfinished = [p.name for p in unfinished_saves(path)]
         return f"no checkpoint at {path}" + (
             f" (an unfinished save left {', '.join(unfinished)})" if unfinished else ""
         )
@@ -217,8 +244,15 @@ class CheckpointReader:
 
     @staticmethod
     def open(path: str | Path) -> CheckpointReader:
-        """Read COMPLETE and metadata.json; raise ``CheckpointError`` unless the checkpoint is complete."""
-        path = Path(path)
+        """Read COMPLETE and metadata.json; raise ``CheckpointError`` unless the checkpoint is complete. ``path``:
+        the checkpoint's model file, or its shard directory."""
+        given, path = Path(path), sharded_path(path)
+        if path != given and not path.is_dir():
+            raise CheckpointError(
+                f"{given} is a sharded checkpoint's model file, and the shard directory it names, {path}, is"
+                " missing. HINT: a sharded checkpoint is that file and that directory: copy or move both (the"
+                " file alone still loads the weights: MyModule.load_from_checkpoint)."
+            )
         marker = path / COMPLETE
         if not marker.is_file():
             hint = (

@@ -25,7 +25,7 @@ from lightning_shardlab.checkpoint.atomic import (
     tmp_path,
 )
 from lightning_shardlab.checkpoint.fabric_state import weights_of
-from lightning_shardlab.checkpoint.format import EMA_RECORD, EMA_STATE_DICT, RANK_STATES_KEY
+from lightning_shardlab.checkpoint.format import EMA_RECORD, EMA_STATE_DICT, RANK_STATES_KEY, shards_of
 from lightning_shardlab.checkpoint.full import (
     full_optimizer_state,
     full_state_dict,
@@ -115,11 +115,11 @@ def save(
         return
     if storage_options is not None or _remote(filepath):
         raise TypeError(
-            f"a sharded checkpoint is a directory on a local or shared file system; got {filepath!r} with"
+            f"a sharded checkpoint is a file and a directory on a local or shared file system; got {filepath!r} with"
             f" storage_options={storage_options!r}. HINT: use a file system path, or state_dict_type='full' to"
             " write one file through the CheckpointIO plugin."
         )
-    sharded_save.save_sharded(checkpoint, filepath, sharded, optimizers, precision, saver)
+    sharded_save.save_sharded(checkpoint, filepath, sharded, optimizers, precision, saver, reshape)
 
 
 def _save_full(
@@ -164,10 +164,12 @@ def _write_full(
     tmp = tmp_path(final, tmp_id)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        clear_leftovers(final)
+        replaced = None if final.is_symlink() else shards_of(final)  # a sharded checkpoint's shards, if one is there
+        clear_leftovers(final, keep=frozenset(p for p in (tmp, replaced) if p is not None))
         plugin.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
         fsync_file(tmp)
         commit(tmp, final)
+        clear_leftovers(final)
         return None
     except Exception as err:  # noqa: BLE001  (every rank raises it)
         delete(tmp)
@@ -191,9 +193,9 @@ def load(
     _current(sharded)
     checkpoint, error = {}, None
     try:
-        if _remote(filepath) or Path(filepath).is_file():
+        if _remote(filepath) or (Path(filepath).is_file() and shards_of(filepath) is None):
             checkpoint = _load_full(filepath, plugin, weights_only)
-        else:
+        else:  # a model file and its shards, or a shard directory
             reader, checkpoint = sharded_load.open_verified(Path(filepath), sharded, weights_only)
             checkpoint[SOURCE_KEY] = reader
     except CheckpointError as err:
@@ -291,8 +293,13 @@ def load_optimizers(optimizers: list[Optimizer], sharded: ShardedModel, checkpoi
 
 
 def remove(filepath: str | Path, plugin: CheckpointIO) -> None:
-    """Rank 0: remove a checkpoint of either format (a directory is renamed aside first, then deleted)."""
+    """Rank 0: remove a checkpoint of either format: a full file; a sharded one's model file, then its shards (a
+    directory is renamed aside first, then deleted); a link (``save_last="link"``), not what it links to."""
     if _remote(filepath):
         plugin.remove_checkpoint(filepath)
-    else:
-        remove_path(Path(filepath))
+        return
+    path = Path(filepath)
+    shards = None if path.is_symlink() else shards_of(path)
+    remove_path(path)
+    if shards is not None:
+        remove_path(shards)

@@ -1,22 +1,27 @@
 """Saving a sharded checkpoint (the format: [Note: the sharded checkpoint format] in checkpoint/format.py).
 Collective: every rank calls and writes only its own slices. Every rank::
 
-    1. agree (one all-gather): destination, temporary directory, optimizer state keys, per-rank entries
-    2. write shard-r-of-N.pt (and rank-state-r-of-N.pt) into <name>.tmp-<id>; report size and sha256
+    1. agree (one all-gather): destination, save id, optimizer state keys, per-rank entries; rank 0 writes the
+       model file <name>.tmp-<id> with a hole for every parameter, and every rank learns where its slices go
+       (one broadcast: checkpoint/model_file.py)
+    2. write shard-r-of-N.pt (and rank-state-r-of-N.pt) into the shard directory <name>.shards-<id>, and this
+       rank's slices of the parameters into the model file; report sizes and sha256
        (``async_save``: on a background thread, from copies; 3-5 run when the next save, a load or the end
        of fit waits for it: checkpoint/async_save.py)
     3. agree (one all-gather) that every rank's files are written
-    4. rank 0: trainer_state.pt, metadata.json, COMPLETE (last), then move the directory into place
+    4. rank 0: trainer_state.pt, metadata.json, COMPLETE (last) in the shard directory, then move the model
+       file into place (the commit), then delete the shards of the checkpoint it replaced
     5. agree (one broadcast) on rank 0's outcome: every rank returns, or every rank raises
 
-A rank that dies in 2 never reaches 3, so no COMPLETE marker is ever written and the previous checkpoint of
-that name stays in place. Loading is checkpoint/sharded_load.py.
+A rank that dies in 2 never reaches 3, so no COMPLETE marker is ever written, no model file moves into place,
+and the previous checkpoint of that name (its file and the shards it names) stays. Loading is
+checkpoint/sharded_load.py.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from copy import deepcopy as copy_of
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +30,7 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_shardlab.checkpoint import owned_state
+from lightning_shardlab.checkpoint import model_file, owned_state
 from lightning_shardlab.checkpoint.async_save import AsyncSaver
 from lightning_shardlab.checkpoint.atomic import (
     CheckpointError,
@@ -33,6 +38,7 @@ from lightning_shardlab.checkpoint.atomic import (
     commit,
     delete,
     fsync_dir,
+    fsync_file,
     new_id,
     same_destination,
     tmp_path,
@@ -51,6 +57,7 @@ from lightning_shardlab.checkpoint.format import (
     owned_file,
     rank_state_file,
     shard_file,
+    shards_of,
 )
 from lightning_shardlab.checkpoint.full import optimizer_index
 from lightning_shardlab.checkpoint.rank_state import KeyPath, differing_paths, get_or_absent, show, tree_digests
@@ -108,10 +115,12 @@ def save_sharded(
     optimizers: list[Optimizer],
     precision: str,
     saver: AsyncSaver | None = None,
+    reshape: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> None:
     """Collective: write ``checkpoint`` (Lightning's dump, with this rank's local optimizer state dicts and
-    the module's replicated entries) as a sharded checkpoint directory, atomically. With ``saver`` (async):
-    1. runs now, 2. on the saver's thread from copies taken now, 3-5 when the saver next waits."""
+    the module's replicated entries) as a sharded checkpoint (its model file, laid out as ``reshape`` makes it,
+    and its shard directory), atomically. With ``saver`` (async): 1. runs now, 2. on the saver's thread from
+    copies taken now, 3-5 when the saver next waits."""
     comm = sharded.comm
     final = Path(filepath).absolute()
     states = checkpoint.get("optimizer_states", [])
@@ -124,7 +133,8 @@ def save_sharded(
     }
     everyone = collectives.all_gather_object(mine, comm, label="checkpoint plan")  # 1.
     same_destination([e["path"] for e in everyone], "save")
-    tmp = tmp_path(final, everyone[0]["tmp_id"])
+    tmp = final.with_name(model_file.shards_name(final, everyone[0]["tmp_id"]))  # the shard directory
+    model_tmp = tmp_path(final, everyone[0]["tmp_id"])  # the model file, until it is moved into place
     agreed = _agree_optimizers(everyone, [len(index) for index in indexes])
     rank_paths = differing_paths([e["digests"] for e in everyone])
     background = saver is not None
@@ -135,20 +145,52 @@ def save_sharded(
     trainer_state = _trainer_state(checkpoint, sharded, agreed, rank_paths) if comm.rank == 0 else {}
     if background:
         trainer_state = copy_of(trainer_state)  # its tensors (buffers) go on changing
-    plan = SavePlan(tmp, final, trainer_state, sharded, indexes, agreed, rank_paths, precision, contents["kinds"])
+    offsets = _lay_out_model_file(model_tmp, final, checkpoint, sharded, tmp.name, reshape or (lambda c: c))
+    plan = SavePlan(
+        tmp, model_tmp, final, trainer_state, sharded, indexes, agreed, rank_paths, precision, contents["kinds"]
+    )
     conclude = functools.partial(_conclude, plan)
-    write = functools.partial(_write_rank_files, tmp, contents, sharded)
+    write = functools.partial(_write_rank_files, tmp, contents, sharded, model_tmp, offsets)
     if saver is None:
         conclude(write())
     else:
         saver.submit(write, conclude)
 
 
+def _lay_out_model_file(
+    path: Path,
+    final: Path,
+    checkpoint: dict[str, Any],
+    sharded: ShardedModel,
+    shards: str,
+    reshape: Callable[[dict[str, Any]], dict[str, Any]],
+) -> model_file.Offsets:
+    """1. (end) Rank 0 writes the model file with its holes; every rank learns where its slices go, or raises
+    rank 0's failure (one broadcast)."""
+    outcome: dict[str, Any] = {}
+    if sharded.comm.rank == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            outcome["offsets"] = model_file.write_skeleton(path, checkpoint, sharded, shards, reshape)
+        except Exception as err:  # noqa: BLE001  (every rank raises it)
+            delete(path)
+            outcome["error"] = (
+                f"saving the checkpoint {final} failed, so it was not written (any previous checkpoint of that name"
+                f" is unchanged): {type(err).__name__}: {err}. HINT: check free space and permissions of"
+                f" {final.parent}."
+            )
+    outcome = collectives.broadcast_object(outcome, sharded.comm)
+    if "error" in outcome:
+        raise CheckpointError(outcome["error"])
+    return outcome["offsets"]
+
+
 @dataclass(frozen=True)
 class SavePlan:
     """What the ranks agreed in 1. and what rank 0 needs for 4."""
 
-    tmp: Path
+    tmp: Path  # the shard directory
+    model_tmp: Path  # the model file, before it is moved into place
     final: Path
     trainer_state: dict[str, Any]  # rank 0's trainer_state.pt ({} elsewhere)
     sharded: ShardedModel
@@ -188,9 +230,11 @@ def _rank_contents(
     return {"tensors": tensors, "kinds": kinds, "owned": owned, "values": copy_of(values) if copy else values}
 
 
-def _write_rank_files(tmp: Path, contents: dict[str, Any], sharded: ShardedModel) -> dict[str, Any]:
-    """2. This rank's files; ``{"files": {name: record}}`` or ``{"error": message}``. With hybrid sharding the
-    shard groups hold equal shards: the first group writes them, each shard once."""
+def _write_rank_files(
+    tmp: Path, contents: dict[str, Any], sharded: ShardedModel, model_tmp: Path, offsets: model_file.Offsets
+) -> dict[str, Any]:
+    """2. This rank's files, and its slices of the model file; ``{"files": {name: record}}`` or ``{"error":
+    message}``. With hybrid sharding the shard groups hold equal shards: the first group writes them, once."""
     comm, shard = sharded.comm, sharded.mesh.shard
     if "error" in contents:
         return {"error": contents["error"]}
@@ -206,6 +250,7 @@ def _write_rank_files(tmp: Path, contents: dict[str, Any], sharded: ShardedModel
         if contents["values"]:
             name = rank_state_file(comm.rank, comm.world_size)
             files[name] = write_torch({"values": contents["values"]}, tmp / name)
+        model_file.write_slices(model_tmp, offsets, contents["tensors"], sharded)
         return {"files": files}
     except Exception as err:  # noqa: BLE001  (reported to every rank, which all raise)
         return {"error": f"rank {comm.rank} could not write its part of {tmp}: {type(err).__name__}: {err}"}
@@ -236,16 +281,20 @@ def _finish(plan: SavePlan, reports: list[dict[str, Any]]) -> str | None:
     try:
         if errors:
             raise CheckpointError("; ".join(errors))
-        clear_leftovers(final, keep=tmp)
+        replaced = shards_of(final) if not final.is_symlink() else None  # the shards of what is there now
+        clear_leftovers(final, keep=frozenset(p for p in (tmp, plan.model_tmp, replaced) if p is not None))
         files = {name: record for r in reports for name, record in r["files"].items()}
         files[TRAINER_STATE] = write_torch(plan.trainer_state, tmp / TRAINER_STATE)
         meta = _metadata(plan, files)
         record = write_json(meta, tmp / METADATA)
         write_json({"format": FORMAT, "version": VERSION, "metadata": record}, tmp / COMPLETE)
         fsync_dir(tmp)
-        commit(tmp, final)
+        fsync_file(plan.model_tmp)
+        commit(plan.model_tmp, final)  # the commit point: the checkpoint is now the new one, whole
+        clear_leftovers(final, keep=frozenset((tmp,)))  # the shards of the one it replaced
         return None
     except Exception as err:  # noqa: BLE001
+        delete(plan.model_tmp)
         delete(tmp)
         return (
             f"saving the checkpoint {final} failed, so it was not written (any previous checkpoint of that name is"

@@ -63,9 +63,9 @@ def _storage_type(dtype: torch.dtype) -> Any:
     return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
 
 
-def stream_save(obj: Any, path: str | Path) -> int:
-    """Write ``obj`` to ``path`` as ``torch.save`` would, making each ``Deferred`` only when its record is written.
-    Returns the bytes of tensor data written."""
+def _pickled(obj: Any) -> tuple[bytes, list[tuple[str, Any]]]:
+    """``obj`` pickled with the persistent ids torch writes, and its records (key, storage or ``Deferred``) in
+    key order; an object that appears twice is one record."""
     records: dict[int, tuple[str, Any]] = {}  # id(storage or deferred) -> (key, what to write)
 
     def persistent_id(item: Any) -> tuple | None:
@@ -83,15 +83,21 @@ def stream_save(obj: Any, path: str | Path) -> int:
     pickler = pickle.Pickler(buffer, protocol=2)
     pickler.persistent_id = persistent_id  # type: ignore[method-assign]
     pickler.dump(obj)
-    data = buffer.getvalue()
-    largest = max((item.nbytes for _, item in records.values() if isinstance(item, Deferred)), default=0)
+    return buffer.getvalue(), sorted(records.values(), key=lambda r: int(r[0]))
+
+
+def stream_save(obj: Any, path: str | Path) -> int:
+    """Write ``obj`` to ``path`` as ``torch.save`` would, making each ``Deferred`` only when its record is written.
+    Returns the bytes of tensor data written."""
+    data, records = _pickled(obj)
+    largest = max((item.nbytes for _, item in records if isinstance(item, Deferred)), default=0)
     staging = torch.empty(largest, dtype=torch.uint8)  # every deferred tensor, in turn
     writer = torch._C.PyTorchFileWriter(str(path))
     written = 0
     try:
         writer.write_record("data.pkl", data, len(data))
         writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        for key, item in sorted(records.values(), key=lambda r: int(r[0])):
+        for key, item in records:
             storage, nbytes = _bytes_of(item, staging)
             writer.write_record(f"data/{key}", storage, nbytes)
             written += nbytes
@@ -99,6 +105,42 @@ def stream_save(obj: Any, path: str | Path) -> int:
     finally:
         del writer
     return written
+
+
+def save_with_holes(obj: Any, path: str | Path, extra: dict[str, bytes] | None = None) -> dict[int, int]:
+    """Write ``obj`` to ``path`` as ``torch.save`` would, but leave each ``Deferred``'s bytes unwritten (a hole of
+    its size; ``fill`` is not called). Returns ``{id(deferred): offset of its first byte in the file}``. ``extra``:
+    further records (name: bytes) of the archive, read back with ``read_record``."""
+    data, records = _pickled(obj)
+    writer = torch._C.PyTorchFileWriter(str(path))
+    try:
+        writer.write_record("data.pkl", data, len(data))
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for name, value in (extra or {}).items():
+            writer.write_record(name, value, len(value))
+        for key, item in records:
+            if isinstance(item, Deferred):
+                writer.write_record_metadata(f"data/{key}", item.nbytes)
+            else:
+                storage, nbytes = _bytes_of(item, torch.empty(0, dtype=torch.uint8))
+                writer.write_record(f"data/{key}", storage, nbytes)
+        writer.write_end_of_file()
+    finally:
+        del writer
+    reader = torch._C.PyTorchFileReader(str(path))
+    return {id(item): reader.get_record_offset(f"data/{key}") for key, item in records if isinstance(item, Deferred)}
+
+
+def read_record(path: str | Path, name: str) -> bytes | None:
+    """Record ``name`` of the torch file at ``path`` (an ``extra`` of ``save_with_holes``); None when ``path`` is
+    not a torch file or has no such record. Reads the archive's directory and that record only."""
+    try:
+        reader = torch._C.PyTorchFileReader(str(path))
+    except RuntimeError:  # not a zip archive: a legacy torch file, or not a torch file at all
+        return None
+    if not reader.has_record(name):
+        return None
+    return bytes(reader.get_record(name))
 
 
 def _bytes_of(item: Any, staging: Tensor) -> tuple[torch.UntypedStorage, int]:

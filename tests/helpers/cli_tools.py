@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_shardlab import cli
+from lightning_shardlab.checkpoint.format import shards_of
 
 
 def shardlab(*argv: str) -> tuple[int, str]:
@@ -49,7 +50,7 @@ def every_tool(checkpoint: Path, work: Path) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {"inspect": shardlab("inspect", str(checkpoint), "--verify")}
     full = checkpoint
-    if checkpoint.is_dir():
+    if checkpoint.is_dir() or shards_of(checkpoint) is not None:
         full = work / "consolidated.ckpt"
         out["consolidate"] = shardlab("consolidate", str(checkpoint), str(full), "--trust-pickle")
         out["inspect_consolidated"] = shardlab("inspect", str(full))
