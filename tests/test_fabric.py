@@ -361,6 +361,8 @@ def test_checkpoints_move_between_world_sizes_stages_and_front_doors(tmp_path: P
     assert set(full) == {"model", "optimizer", "step"} and full["step"] == 2
     assert all(torch.equal(full["model"][k], v) for k, v in saved["saved"].items())
     assert set(full["optimizer"]) == {"state", "param_groups"}
+    own = torch.load(tmp_path / "fabric", weights_only=True)  # the sharded checkpoint's path: the user's keys, weights
+    assert own["step"] == 2 and all(torch.equal(own["model"][k], v) for k, v in saved["saved"].items())
     loaded = run_ranks("tests.test_fabric:trainer_loads_fabric_weights", 2, {"directory": str(tmp_path)}, timeout=180)
     assert all(torch.equal(loaded[0][k], v) for k, v in saved["saved"].items())  # Fabric -> Trainer load_raw
     for name, weights, optimizers in (

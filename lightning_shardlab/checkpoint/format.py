@@ -2,9 +2,10 @@
 
 [Note: the sharded checkpoint format] (format version 1)
 
-A sharded checkpoint is a directory, written by N ranks at ZeRO stage s::
+A sharded checkpoint is a directory, written by N ranks at ZeRO stage s, beside the checkpoint's model file
+``<name>`` (which names it: [Note: the model file] in checkpoint/model_file.py)::
 
-    <name>/                              e.g. "epoch=1-step=8.ckpt" (ModelCheckpoint keeps its names)
+    <name>.shards-<id>/                  e.g. "epoch=1-step=8.ckpt.shards-3f2a9c1b7d4e" (a new id per save)
       shard-00000-of-00002.pt            rank 0's slice of every flat parameter and of its optimizer state
       shard-00001-of-00002.pt            rank 1's
       rank-state-00000-of-00002.pt       only when some non-model state differs between ranks: rank 0's values

@@ -9,8 +9,8 @@ strategy's ``handle_sigterm``, on by default: every rank stops after the same st
 first, and ``trainer.fit(..., ckpt_path="last")``, which resumes from it when there is one. A crash writes nothing:
 its survivors cannot save a sharded checkpoint without the rank that died, and a checkpoint taken mid-epoch resumes
 Lightning's loop less exactly than one taken at an epoch's end. A checkpoint is complete once its ``COMPLETE``
-marker is written and it is moved into place (checkpoint/atomic.py), so a rank that dies while one is written, in
-the background too (``async_save``), leaves the previous one in place.
+marker is written and its model file is moved into place (checkpoint/model_file.py), so a rank that dies while
+one is written, in the background too (``async_save``), leaves the previous one in place.
 
 To show it, and for the tests and ``benchmarks/restarts.py``, the job can hurt itself: ``--die-at-step N`` ends it
 once optimizer step N of its first attempt is done (``--die-how exit``: rank 1 leaves at once, as a crashed rank

@@ -116,8 +116,8 @@ def handed_over_error(param: ShardedAtRest, strategy: str) -> RuntimeError:
         " another strategy cannot set it up. HINT: get the weights out first, in one of these ways: fit it again"
         " with the same shardlab options (a new Trainer continues it); on every rank of the run,"
         " `trainer.strategy.full_state_dict()` (rank 0 gets the whole state dict) and load it into a new module;"
-        " `MyModule.load_from_checkpoint(path)` of a checkpoint written with state_dict_type='full'; or"
-        " `shardlab consolidate CHECKPOINT_DIR model.ckpt` of a sharded checkpoint, then load_from_checkpoint."
+        " `MyModule.load_from_checkpoint(path)` of a checkpoint the run saved (either format, in any process); or"
+        " `shardlab consolidate CHECKPOINT model.ckpt` for one plain file with the optimizer state too."
     )
 
 
