@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from benchmarks.bench import SETTINGS, _model, _tokens
 from benchmarks.sections import MARKERS, replace_section
 from lightning_shardlab import Comm, ShardLabConfig, shard_model, shard_optimizer
-from lightning_shardlab.budget.activations import ActivationMeter
+from lightning_shardlab.budget.measured.activations import ActivationMeter
 
 HERE = Path(__file__).resolve().parent
 

@@ -45,7 +45,7 @@ def run_rank(variant: str, setting_name: str, warmup: int, steps: int, offload_d
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_shardlab import ShardLabStrategy
-    from lightning_shardlab.budget.tiers import io_counters
+    from lightning_shardlab.budget.measured.tiers import io_counters
 
     setting, times, io = SETTINGS[setting_name], [], {}
 

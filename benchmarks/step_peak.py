@@ -5,12 +5,13 @@
 
 Two CPU ranks (gloo; four for ``reshard_after_forward=2``), AdamW in fp32 (some in ``bf16-mixed``), two optimizer
 steps per configuration, ``ShardLabBudget(step_peak=True)``: measured on the first step after the warm-up
-(budget/step_peak.py: on CPU, what is live as the step starts, read from the real tensors, plus every allocation
-and free the step makes), predicted from the first batch run under fake tensors on the engine's schedule and the
-optimizers' step on fakes of this rank's masters (budget/step_timeline.py, budget/optimizer_peak.py,
-budget/step_peak_prediction.py). Beside them, the plan's step peak for the same model and shape (budget/fits.py:
-the same timeline without gloo's receive rooms, as ``shardlab plan --micro-batch-size B --seq-len T`` prints it).
-Models: the example GPT and a Hugging Face Llama
+(budget/measured/step_peak.py: on CPU, what is live as the step starts, read from the real tensors, plus every
+allocation and free the step makes), predicted from the first batch run under fake tensors on the engine's schedule
+and the optimizers' step on fakes of this rank's masters (budget/predicted/step_timeline.py,
+budget/predicted/optimizer_peak.py, budget/predicted/step_peak.py). Beside them, the plan's step peak for the same
+model and shape (budget/predicted/fits.py: the same timeline without gloo's receive rooms, as ``shardlab plan
+--micro-batch-size B
+--seq-len T`` prints it). Models: the example GPT and a Hugging Face Llama
 built from its config (4 layers each, one unit per block).
 """
 
@@ -65,9 +66,9 @@ def build(name: str) -> tuple[L.LightningModule, type]:
 
 
 def planned_peak(name: str, strategy: ShardLabStrategy, b: int, t: int, world: int, precision: str) -> float:
-    from lightning_shardlab.budget.fits import Setting, step_peak
-    from lightning_shardlab.budget.plan import plan_model
-    from lightning_shardlab.budget.predict import INTERCONNECTS
+    from lightning_shardlab.budget.predicted.fits import Setting, step_peak
+    from lightning_shardlab.budget.predicted.plan import plan_model
+    from lightning_shardlab.budget.predicted.zero_table import INTERCONNECTS
 
     link = INTERCONNECTS["nvlink"]  # no memory figure depends on it
     setting = Setting(build(name)[0], strategy.config, world, precision, "adamw", link, link, name, b, t)

@@ -14,7 +14,7 @@ bench.py's own AdamW runs (``ddp``, ``shardlab_stage_3``) come along for context
     Newton-Schulz   calls and seconds per step on each rank (torch's ``_zeropower_via_newtonschulz``, timed)
     exchange        the bytes each rank sends per step in the whole-tensor gather and return (the ledger's
                     ``all_to_all`` entries), against the budget's prediction from the owner plan
-                    (budget/whole_tensor.py) and against the closed form from the flat layout alone: each
+                    (budget/predicted/whole_tensor.py) and against the closed form from the flat layout alone: each
                     matrix's owner receives the gradient elements outside its own shard (and the values too at
                     stage 3, where the master is not held whole) and sends the new values of those elements back
     state           Muon's state (momentum buffers) on each rank, against the ideal 1/N of the whole-tensor
@@ -153,7 +153,7 @@ def run_muon(variant: str, warmup: int, steps: int) -> dict:
 def exchange(trainer, muon: torch.optim.Optimizer, batches: int) -> dict:  # noqa: ANN001
     """What this rank sent per step in the whole-tensor exchanges, the budget's prediction of it and of the
     owned state, and (the same on every rank) the closed form's bytes over all ranks."""
-    from lightning_shardlab.budget.whole_tensor import whole_tensor_report
+    from lightning_shardlab.budget.predicted.whole_tensor import whole_tensor_report
 
     sharded = trainer.strategy.sharded
     ledger = sharded.comm.ledger
@@ -344,7 +344,7 @@ def section(samples: dict[str, list[dict]], args: argparse.Namespace, minutes: f
             "",
             "Exchange bytes per step (the ledger's `all_to_all` entries: what each rank sends), "
             + ("the same in every repeat." if repeats_agree(samples) else "the first repeat's (they varied!).")
-            + " Budget: budget/whole_tensor.py's prediction from the owner plan, per rank. Closed form, from"
+            + " Budget: budget/predicted/whole_tensor.py's prediction from the owner plan, per rank. Closed form, from"
             " the flat layout and sharding/owners.py's owners: each owner gathers the gradient (at stage 3 the"
             " values too) of the elements of its matrices outside its own shard, and returns their new values."
             " If split evenly: the same were every matrix spread evenly over the ranks, (1 - 1/N) of it outside"

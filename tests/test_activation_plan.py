@@ -1,4 +1,4 @@
-"""Activations planned without running: the fake-tensor trace (budget/activation_trace.py) against a real CPU
+"""Activations planned without running: the fake-tensor trace (budget/predicted/activation_trace.py) against a real CPU
 forward counted the same way, the 7B-shaped plan with nothing allocated, and ``--device-memory`` verdicts."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_shardlab.budget import fits, plan_command
-from lightning_shardlab.budget.activation_trace import trace_activations, unit_members
+from lightning_shardlab.budget.predicted import fits
+from lightning_shardlab.budget.predicted.activation_trace import trace_activations, unit_members
+from lightning_shardlab.cli import plan as plan_command
 from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.examples.gpt import GPT
 from lightning_shardlab.sharding.checkpointing import chosen_modules

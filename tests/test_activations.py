@@ -173,10 +173,10 @@ def tiny(name: str) -> tuple[L.LightningModule, type[nn.Module]]:
 
 def predicted_and_measured(directory: str) -> list[dict[str, Any]]:
     """Every configuration of the two models, stage 3, 2 steps each: the budget's report and the plan's step peak
-    (budget/fits.py, the arithmetic ``shardlab plan --micro-batch-size B --seq-len T`` prints)."""
-    from lightning_shardlab.budget.fits import Setting, step_peak
-    from lightning_shardlab.budget.plan import plan_model
-    from lightning_shardlab.budget.predict import INTERCONNECTS
+    (budget/predicted/fits.py, the arithmetic ``shardlab plan --micro-batch-size B --seq-len T`` prints)."""
+    from lightning_shardlab.budget.predicted.fits import Setting, step_peak
+    from lightning_shardlab.budget.predicted.plan import plan_model
+    from lightning_shardlab.budget.predicted.zero_table import INTERCONNECTS
 
     link = INTERCONNECTS["nvlink"]  # times only: no figure below depends on it
     out = []
@@ -215,13 +215,13 @@ def test_gpt_and_llama_activations_and_step_peak_against_the_plan(tmp_path: Path
     """(1) The activations the budget predicts (the first batch traced) are what the run saves, by unit, in every
     configuration: exactly, not only within 10 %.
 
-    (2) The step's peak the budget predicts (budget/step_peak_prediction.py: the layout's state + the busiest moment
-    of the first batch's forward and backward run under fake tensors on the engine's schedule, budget/step_timeline.py)
-    is within 10 % of the one measured on the first step after the warm-up, phase by phase and for the step
-    (measured: 1.000-1.002 of it over these 12 configurations; stages 1-3 in benchmarks/STEP_PEAK.md). The plan
-    (fits.py, what ``shardlab plan --micro-batch-size B --seq-len T`` prints) runs the same step on the same
-    schedule, without the verified gloo wire's receive rooms (NCCL posts none): at most three rooms below the
-    budget's (a reduce-scatter's from the peer, two all-gathers' scratch rooms)."""
+    (2) The step's peak the budget predicts (budget/predicted/step_peak.py: the layout's state + the busiest moment
+    of the first batch's forward and backward run under fake tensors on the engine's schedule,
+    budget/predicted/step_timeline.py) is within 10 % of the one measured on the first step after the warm-up, phase
+    by phase and for the step (measured: 1.000-1.002 of it over these 12 configurations; stages 1-3 in
+    benchmarks/STEP_PEAK.md). The plan (fits.py, what ``shardlab plan --micro-batch-size B --seq-len T`` prints) runs
+    the same step on the same schedule, without the verified gloo wire's receive rooms (NCCL posts none): at most
+    three rooms below the budget's (a reduce-scatter's from the peer, two all-gathers' scratch rooms)."""
     pytest.importorskip("transformers")
     ranks = run_ranks("tests.test_activations:predicted_and_measured", 2, {"directory": str(tmp_path)}, timeout=120)
     for rank, configs in enumerate(ranks):

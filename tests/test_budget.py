@@ -17,10 +17,10 @@ import torch.distributed as dist
 from rich.console import Console
 
 from lightning_shardlab import ShardLabBudget, ShardLabStrategy
-from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, measure_memory
-from lightning_shardlab.budget.plan import plan_model
-from lightning_shardlab.budget.plan_command import main as plan_main
-from lightning_shardlab.budget.predict import INTERCONNECTS
+from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES, measure_memory
+from lightning_shardlab.budget.predicted.plan import plan_model
+from lightning_shardlab.budget.predicted.zero_table import INTERCONNECTS
+from lightning_shardlab.cli.plan import main as plan_main
 from lightning_shardlab.core.config import ShardLabConfig, Stage
 from lightning_shardlab.sharding.owners import (
     Geometry,

@@ -27,8 +27,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.testing import assert_close
 
 from lightning_shardlab import ShardLabStrategy
-from lightning_shardlab.budget.measure import measure_memory
-from lightning_shardlab.budget.predict import predict_gathered_peak
+from lightning_shardlab.budget.measured.memory import measure_memory
+from lightning_shardlab.budget.predicted.zero_table import predict_gathered_peak
 from lightning_shardlab.guard.divergence import DivergenceError
 from tests.helpers.launch import run_ranks
 from tests.helpers.reference import FP32

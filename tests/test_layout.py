@@ -92,18 +92,26 @@ def test_imports_run_one_way_and_a_reversed_import_breaks_the_contract(tmp_path:
     ), broken.stdout
 
 
+def _subpackages() -> list[Path]:
+    """Every package folder under the package, nested ones too (budget/measured/)."""
+    return sorted(
+        p.parent for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE and "__pycache__" not in p.parts
+    )
+
+
 def test_readme_layout_names_every_module_once() -> None:
     readme = (ROOT / "README.md").read_text()
     section = readme.split("### Layout", 1)[1].split("\n#", 1)[0]
     bullets = [line for line in re.split(r"\n- ", section) if line.strip()]
-    for folder in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").exists()):
+    for folder in _subpackages():
+        where = folder.relative_to(PACKAGE).as_posix()
         modules = sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py")
-        bullet = next((b for b in bullets if b.lstrip("- ").startswith(f"`{folder.name}/`")), None)
-        assert bullet is not None, f"the README's layout does not name {folder.name}/"
+        bullet = next((b for b in bullets if b.lstrip("- ").startswith(f"`{where}/`")), None)
+        assert bullet is not None, f"the README's layout does not name {where}/"
         named = re.findall(r"`(\w+\.py)`", bullet)
-        assert sorted(named) == modules, f"{folder.name}/: README names {sorted(named)}, the folder has {modules}"
+        assert sorted(named) == modules, f"{where}/: README names {sorted(named)}, the folder has {modules}"
     top = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
-    outside = " ".join(b for b in bullets if not re.match(r"-? ?`\w+/`", b))
+    outside = " ".join(b for b in bullets if not re.match(r"-? ?`[\w/]+/`", b))
     for name in top:
         assert re.findall(rf"`{re.escape(name)}`", outside) == [f"`{name}`"], name
 
@@ -111,8 +119,9 @@ def test_readme_layout_names_every_module_once() -> None:
 def test_every_subpackage_names_its_files_in_its_docstring() -> None:
     """Each folder's ``__init__`` describes its files: every module there is named, and no file it names is
     missing (a name with a folder, ``checkpoint/format.py``, points elsewhere and is not counted)."""
-    for folder in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").exists()):
-        doc = importlib.import_module(f"lightning_shardlab.{folder.name}").__doc__ or ""
+    for folder in _subpackages():
+        dotted = folder.relative_to(PACKAGE).as_posix().replace("/", ".")
+        doc = importlib.import_module(f"lightning_shardlab.{dotted}").__doc__ or ""
         named = set(re.findall(r"(?<![\w/.])(\w+\.py)\b", doc))
         modules = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
         assert modules <= named, f"{folder.name}/__init__.py does not name {sorted(modules - named)}"

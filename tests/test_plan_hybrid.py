@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from lightning_shardlab.budget.plan_command import INTERCONNECTS, main, make_plan, meta_model, parser
 from lightning_shardlab.budget.report import per_step
+from lightning_shardlab.cli.plan import INTERCONNECTS, main, make_plan, meta_model, parser
 from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.sharding.policy import plan_units
 

@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_shardlab import ShardLabStrategy
-from lightning_shardlab.budget import plan_command
+from lightning_shardlab.cli import plan as plan_command
 from lightning_shardlab.examples.gpt import GPT
 from tests.helpers.launch import RankFailed, run_ranks
 

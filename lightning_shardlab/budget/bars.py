@@ -1,9 +1,10 @@
 """The budget as a picture: one stacked bar per rank of what it holds at the step's peak, measured.
 
 Bottom to top: parameters, gradients, master, optimizer state (between steps), the gathered peak (units
-gathered at once at stage 3), and the activations saved for backward at the peak forward (budget/activations.py).
-Written by rank 0 beside ``shardlab_budget.json`` as ``shardlab_budget.png`` when matplotlib is installed
-(the ``plot`` extra); drawn on a ``Figure`` of its own, so nothing global changes in the user's process.
+gathered at once at stage 3), and the activations saved for backward at the peak forward
+(budget/measured/activations.py). Written by rank 0 beside ``shardlab_budget.json`` as ``shardlab_budget.png`` when
+matplotlib is installed (the ``plot`` extra); drawn on a ``Figure`` of its own, so nothing global changes in the
+user's process.
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@ Each step it measures this rank's memory by category from the real tensors (ledg
 the peak of gathered units, and what the collectives recorded (calls, bytes, seconds waiting, and
 their share of the step). Every ``log_every_n_steps`` the ranks' figures go to Lightning's logger
 (``shardlab/rank{r}/...``). When ``fit`` ends it prints the tables, each measured figure beside what
-budget/predict.py predicts from the layout (budget/report.py assembles a rank's figures, budget/tables.py
+budget/predicted/zero_table.py predicts from the layout (budget/report.py assembles a rank's figures, budget/tables.py
 prints them), and writes ``shardlab_budget.json`` beside the logs. Per-step
 communication is the steady state: the first optimizer step is a warm-up and left out. A hybrid or
 regrouped run (comm/mesh.py) also gets its communication by group: inside shard groups, across them,
 inside reshard groups (``comm_per_step_by_scope``, set beside the prediction's ``by_scope``). Whole-tensor
 optimizers (Muon, Adafactor) get a table of their own: per rank, what it owns, the state it keeps for it and
-its all-to-alls per step (budget/whole_tensor.py), measured beside predicted. Around each training step it
-also measures what autograd saves for backward, by unit (budget/activations.py), and draws every rank's memory
+its all-to-alls per step (budget/predicted/whole_tensor.py), measured beside predicted. Around each training step it
+also measures what autograd saves for backward, by unit (budget/measured/activations.py), and draws every rank's memory
 as a stacked bar, activations on top (``shardlab_budget.png``, budget/bars.py).
 """
 
@@ -28,16 +28,16 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from rich.console import Console
 
-from lightning_shardlab.budget.activation_prediction import meta_clone, predict_for_batch
-from lightning_shardlab.budget.activations import ActivationMeter
 from lightning_shardlab.budget.bars import write_bars
-from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, live_storages, measure_memory
-from lightning_shardlab.budget.optimizer_peak import optimizer_step_bytes
+from lightning_shardlab.budget.measured.activations import ActivationMeter
+from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES, live_storages, measure_memory
+from lightning_shardlab.budget.measured.step_peak import StepPeak
+from lightning_shardlab.budget.measured.tiers import tier_counters
+from lightning_shardlab.budget.predicted.activation_prediction import meta_clone, predict_for_batch
+from lightning_shardlab.budget.predicted.optimizer_peak import optimizer_step_bytes
+from lightning_shardlab.budget.predicted.step_peak import predict_step_peak, timeline_for_batch
 from lightning_shardlab.budget.report import Measured, Run, rank_report
-from lightning_shardlab.budget.step_peak import StepPeak
-from lightning_shardlab.budget.step_peak_prediction import predict_step_peak, timeline_for_batch
 from lightning_shardlab.budget.tables import print_budget
-from lightning_shardlab.budget.tiers import tier_counters
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.sharding.lookup import sharded_model_of
 
@@ -55,8 +55,8 @@ class ShardLabBudget(L.Callback):
         self, console: Console | None = None, json_name: str = "shardlab_budget.json", step_peak: bool = False
     ) -> None:
         """``step_peak``: profile the first step after the warm-up (optimizer state made, prefetch order known) to
-        measure its peak of tensor memory by phase (budget/step_peak.py; on CPU through torch's memory profiler,
-        which slows that step, so it is left out of the timings)."""
+        measure its peak of tensor memory by phase (budget/measured/step_peak.py; on CPU through torch's memory
+        profiler, which slows that step, so it is left out of the timings)."""
         self.console = console or Console()
         self.json_name = json_name
         self.measure_step_peak = step_peak
@@ -78,9 +78,13 @@ class ShardLabBudget(L.Callback):
         self.activations: ActivationMeter | None = None  # what each training step saves for backward, by unit
         self.step_peak: StepPeak | None = None  # the profiled step's peak by phase, while it runs
         self._clone: torch.nn.Module | None = None  # the module on the meta device, taken before sharding
-        self.predicted_activations: dict[str, Any] = {}  # its first batch traced (budget/activation_prediction.py)
-        self.predicted_timeline: Any = None  # ... and run on the engine's schedule (budget/step_timeline.py)
-        self.predicted_optimizer: Any = None  # the optimizers' step under fake tensors (budget/optimizer_peak.py)
+        self.predicted_activations: dict[
+            str, Any
+        ] = {}  # its first batch traced (budget/predicted/activation_prediction.py)
+        self.predicted_timeline: Any = None  # ... and run on the engine's schedule (budget/predicted/step_timeline.py)
+        self.predicted_optimizer: Any = (
+            None  # the optimizers' step under fake tensors (budget/predicted/optimizer_peak.py)
+        )
         self.peaks: dict[str, dict[str, Any]] = {}
 
     # ---- a Fabric loop ----

@@ -4,8 +4,8 @@
 through ``budget.watch``). ``rank_report`` assembles this rank's figures into the plain dict every rank
 sends to rank 0 at the end (and that ``shardlab_budget.json`` holds): memory by category measured and
 predicted, the gathered peak, the units as they ran, communication per step by kind, by group and by call,
-the offload tiers, what whole-tensor optimizers' owners hold (budget/whole_tensor.py), and the activations
-saved for backward by unit (budget/activations.py).
+the offload tiers, what whole-tensor optimizers' owners hold (budget/predicted/whole_tensor.py), and the activations
+saved for backward by unit (budget/measured/activations.py).
 """
 
 from __future__ import annotations
@@ -20,10 +20,15 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_shardlab.budget.measure import MEMORY_CATEGORIES
-from lightning_shardlab.budget.predict import OptimizerShape, predict_gathered_peak, predict_memory, predict_traffic
-from lightning_shardlab.budget.tiers import offload_of, tier_report
-from lightning_shardlab.budget.whole_tensor import state_bytes_predicted, whole_tensor_report
+from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES
+from lightning_shardlab.budget.measured.tiers import offload_of, tier_report
+from lightning_shardlab.budget.predicted.whole_tensor import state_bytes_predicted, whole_tensor_report
+from lightning_shardlab.budget.predicted.zero_table import (
+    OptimizerShape,
+    predict_gathered_peak,
+    predict_memory,
+    predict_traffic,
+)
 from lightning_shardlab.core.config import Accumulation
 from lightning_shardlab.sharding.lookup import sharded_model_of
 from lightning_shardlab.sharding.sharded_model import ShardedModel
@@ -73,8 +78,10 @@ class Measured:
     step_seconds: float  # all steps together
     steps: int
     storage_io: list[float]  # bytes read, bytes written, seconds in offloaded steps (all steps together)
-    activations: dict[str, Any]  # saved for backward at the peak forward, by unit (budget/activations.py)
-    step_peak: dict[str, dict[str, Any]]  # the first steady step's peak of tensor memory by phase (budget/step_peak.py)
+    activations: dict[str, Any]  # saved for backward at the peak forward, by unit (budget/measured/activations.py)
+    step_peak: dict[
+        str, dict[str, Any]
+    ]  # the first steady step's peak of tensor memory by phase (budget/measured/step_peak.py)
 
 
 def rank_report(run: Run, measured: Measured) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Memory per rank by category, a line on the units (what stage 3 gathers at a time, and which option made
 them), communication per step by collective (all_to_all: the bytes this rank sends), by group for hybrid or
 regrouped runs, the offload tiers, what the owners of whole-tensor optimizers (Muon, Adafactor) hold and
-exchange (budget/whole_tensor.py), and the activations saved for backward by unit (budget/activations.py).
+exchange (budget/predicted/whole_tensor.py), and the activations saved for backward by unit
+(budget/measured/activations.py).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from lightning_shardlab.budget.measure import MEMORY_CATEGORIES
-from lightning_shardlab.budget.tiers import tier_table
+from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES
+from lightning_shardlab.budget.measured.tiers import tier_table
 from lightning_shardlab.comm.mesh import SCOPES
 from lightning_shardlab.core.display import mib, print_table, size
 
@@ -160,7 +161,7 @@ def whole_tensor_table(everyone: list[dict[str, Any]]) -> Table:
 
 def activations_table(everyone: list[dict[str, Any]]) -> Table:
     """Per rank: the bytes autograd saved for backward in the largest forward of a step, by unit (each storage
-    once), beside the model state it adds to (budget/activations.py)."""
+    once), beside the model state it adds to (budget/measured/activations.py)."""
     table = Table(
         title="shardlab budget: activations saved for backward at the peak forward, MiB measured (predicted: the"
         " first batch traced under fake tensors); storages counted once, parameters and gathered buffers are model"

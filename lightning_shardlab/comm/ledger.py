@@ -1,7 +1,7 @@
 """The ledger: what moves between ranks, recorded by the collectives as it happens.
 
 Each call counts its own tensor sizes when it is launched, and a wall clock from launch to ``wait()``
-returning when it is waited for. Nothing here is estimated; budget/predict.py says what the layout
+returning when it is waited for. Nothing here is estimated; budget/predicted/zero_table.py says what the layout
 expects, and the budget shows the two side by side.
 """
 

@@ -49,7 +49,7 @@ _tags = itertools.count(
 )  # the same process group) takes the next: what a failed run left in flight never pairs up
 MIN_LIMIT = 4 << 10  # bytes: the receive room of small calls (sanity digests, norms, per-rank figures); anything
 # larger than the largest shard (objects, big buffers) waits for the headers instead, so the room stays what the
-# model needs (the budget counts it in the step's peak, budget/step_timeline.py)
+# model needs (the budget counts it in the step's peak, budget/predicted/step_timeline.py)
 REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
@@ -118,7 +118,7 @@ class Wire:
         sending ``payload`` bytes to each peer, live from its launch until it is waited: a reduce-scatter's room
         for each peer; an all-gather's scratch room for each peer whose chunk lies too close to the end of the full
         buffer for a room of ``limit`` bytes (the others land in place). The budget's step timeline counts them
-        (budget/step_timeline.py)."""
+        (budget/predicted/step_timeline.py)."""
         room = max(payload, self.limit)
         if kind == "reduce_scatter":
             return len(self.peers) * room

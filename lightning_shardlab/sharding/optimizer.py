@@ -119,7 +119,7 @@ class OptimizerShape:
     @staticmethod
     def named(name: str) -> OptimizerShape:
         """An elementwise optimizer's shape by its name ('adamw', 'sgd', ...); ``ValueError`` for any other (a
-        whole-tensor optimizer's state is per parameter: budget/whole_tensor.py)."""
+        whole-tensor optimizer's state is per parameter: budget/predicted/whole_tensor.py)."""
         key = {n.lower(): n for n in STATE_TENSORS}.get(name.lower())
         if key is None:
             known = ", ".join(sorted([*map(str.lower, STATE_TENSORS), *WHOLE_TENSOR_NAMES]))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_shardlab.budget.predict import Interconnect
+from lightning_shardlab.budget.predicted.zero_table import Interconnect
 from lightning_shardlab.comm.link_probe import time_local_all_gathers
 
 

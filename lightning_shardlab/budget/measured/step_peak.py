@@ -7,7 +7,7 @@ warm-up) ``StepPeak`` measures the largest total of live tensor bytes inside eac
 - on a GPU, from the allocator: ``torch.cuda.max_memory_allocated``, its peak reset as each phase begins;
 - on CPU, which keeps no allocator statistics, by accounting: what is live when the step starts, read from the
   real tensors (the engine's flat parameters, gradients, master weights, the optimizers' state, and the batch:
-  budget/measure.py), plus every allocation and free the step makes, as torch's profiler reports them with
+  budget/measured/memory.py), plus every allocation and free the step makes, as torch's profiler reports them with
   ``profile_memory=True`` (its ``Allocation`` events: each CPU allocation and free through torch's allocator,
   with its size), plus the frees of what was live at the start, which the profiler does not report (it knows
   the size of blocks allocated while it runs only): each of those storages is watched (``weakref.finalize``)

@@ -1,4 +1,4 @@
-"""``shardlab plan``: the budget of a run before buying the hardware (the arithmetic: budget/plan.py).
+"""``shardlab plan``: the budget of a run before buying the hardware (the arithmetic: budget/predicted/plan.py).
 
 From a parameter count (the ZeRO table) or from a real model (its real unit layout at the target
 world size, computed on the meta device: no memory, no processes), with stage, world size,
@@ -18,21 +18,21 @@ backward, so backward gathers inside K ranks.
     shardlab plan --config configs/gpt_finetune_cpu.yaml --world-size 4 --json
     shardlab plan --params 13e9 --world-size 8 --offload cpu --device-memory 80GB
 
-``--offload cpu|disk`` puts the masters and the optimizer state in host memory or on disk (budget/tiers.py):
+``--offload cpu|disk`` puts the masters and the optimizer state in host memory or on disk (budget/measured/tiers.py):
 the plan then shows what lives in each tier, what moves to and from it per step and the time on
 ``--tier-link``; ``--device-memory`` says whether what stays on the device fits.
 
 ``--micro-batch-size B --seq-len T`` (with ``--model`` or ``--config``) traces one micro-batch of the model under
-fake tensors (budget/activation_trace.py: nothing allocated, a 7B-shaped model in seconds) and adds what autograd
-saves for backward, by unit, and the step peak per rank: model state + gathered units + activations (+ the largest
-recomputation with ``--activation-checkpointing``). With ``--device-memory`` it says whether that peak fits and,
-when not, the cheapest change that makes it fit (budget/fits.py: a higher stage, activation checkpointing, a
+fake tensors (budget/predicted/activation_trace.py: nothing allocated, a 7B-shaped model in seconds) and adds what
+autograd saves for backward, by unit, and the step peak per rank: model state + gathered units + activations (+ the
+largest recomputation with ``--activation-checkpointing``). With ``--device-memory`` it says whether that peak fits and,
+when not, the cheapest change that makes it fit (budget/predicted/fits.py: a higher stage, activation checkpointing, a
 smaller micro-batch with gradient accumulation, offload, a larger shard group):
 
     shardlab plan --model transformers.LlamaForCausalLM --init-args '{"num_hidden_layers": 32}' --world-size 8 \\
         --micro-batch-size 4 --seq-len 4096 --device-memory 80GB
 
-``--optimizer muon|adafactor`` plans a whole-tensor optimizer (budget/plan_whole.py): each parameter it steps
+``--optimizer muon|adafactor`` plans a whole-tensor optimizer (budget/predicted/plan_whole.py): each parameter it steps
 is owned by one rank, which keeps its state; the plan shows the fullest rank's share (about 1/W) and the
 all-to-alls per step. With ``--model`` or ``--config``, Muon steps the parameters of 2+ dimensions inside
 units other than the root (the blocks' matrices) and AdamW the rest, the usual recipe; from ``--params``,
@@ -55,19 +55,19 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from lightning_shardlab.budget.fits import Setting, add_activations
-from lightning_shardlab.budget.local_link import measure_local_link
-from lightning_shardlab.budget.measure import MEMORY_CATEGORIES
-from lightning_shardlab.budget.plan import COMPUTE, Plan, plan_model, plan_params
-from lightning_shardlab.budget.predict import (
+from lightning_shardlab.budget.measured.local_link import measure_local_link
+from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES
+from lightning_shardlab.budget.measured.tiers import (
+    LINKS,
+    plan_rows,
+)
+from lightning_shardlab.budget.predicted.fits import Setting, add_activations
+from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, plan_model, plan_params
+from lightning_shardlab.budget.predicted.zero_table import (
     DEVICES,
     INTERCONNECTS,
     Interconnect,
     Traffic,
-)
-from lightning_shardlab.budget.tiers import (
-    LINKS,
-    plan_rows,
 )
 from lightning_shardlab.core.config import ShardLabConfig, import_path
 from lightning_shardlab.core.display import gigabytes, print_table, size

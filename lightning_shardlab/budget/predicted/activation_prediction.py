@@ -1,7 +1,7 @@
 """The budget's prediction of activations for the run itself: its first batch traced under fake tensors.
 
-``ShardLabBudget`` sets the measured saved-for-backward bytes (budget/activations.py) beside a prediction made
-without running the model for real (budget/activation_trace.py): before the strategy shards the module
+``ShardLabBudget`` sets the measured saved-for-backward bytes (budget/measured/activations.py) beside a prediction made
+without running the model for real (budget/predicted/activation_trace.py): before the strategy shards the module
 (Lightning's ``setup`` hook), ``meta_clone`` copies it with every parameter and buffer on the meta device (no
 data copied, no trainer, none of the engine's hooks yet); at the first training batch, that batch — made fake,
 so only its shapes and dtypes matter — goes through the clone's ``training_step`` (or ``forward`` and a loss)
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_shardlab.budget.activation_trace import trace_activations
+from lightning_shardlab.budget.predicted.activation_trace import trace_activations
 from lightning_shardlab.core.config import ShardLabConfig
 
 

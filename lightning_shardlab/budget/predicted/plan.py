@@ -2,10 +2,10 @@
 
 ``plan_params`` applies the ZeRO table to a parameter count; ``plan_model`` lays a real model out into its
 units at the target world size on the meta device (no memory, no processes) and predicts from that layout,
-as ``ShardLabBudget`` does for a run (budget/predict.py, budget/tiers.py). Both return a ``Plan``: bytes per
-rank by category, bytes moved per step, and the lower-bound time on the links. ``shardlab plan`` (the
-command, its inputs and its printing) is budget/plan_command.py. A whole-tensor optimizer (``muon``,
-``adafactor``) adds what its owners keep and exchange (budget/plan_whole.py): its state per rank, and its
+as ``ShardLabBudget`` does for a run (budget/predicted/zero_table.py, budget/measured/tiers.py). Both return a
+``Plan``: bytes per rank by category, bytes moved per step, and the lower-bound time on the links. ``shardlab plan``
+(the command, its inputs and its printing) is cli/plan.py. A whole-tensor optimizer (``muon``,
+``adafactor``) adds what its owners keep and exchange (budget/predicted/plan_whole.py): its state per rank, and its
 all-to-alls in the traffic.
 """
 
@@ -18,8 +18,19 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_shardlab.budget.plan_whole import WholePlan, memory_per_rank, plan_whole_model, plan_whole_params
-from lightning_shardlab.budget.predict import (
+from lightning_shardlab.budget.measured.tiers import (
+    plan_fields,
+    predict_locations,
+    predict_moves,
+    split_by_tier,
+)
+from lightning_shardlab.budget.predicted.plan_whole import (
+    WholePlan,
+    memory_per_rank,
+    plan_whole_model,
+    plan_whole_params,
+)
+from lightning_shardlab.budget.predicted.zero_table import (
     Interconnect,
     OptimizerShape,
     Traffic,
@@ -28,12 +39,6 @@ from lightning_shardlab.budget.predict import (
     predict_memory,
     predict_traffic,
     zero_table_bytes,
-)
-from lightning_shardlab.budget.tiers import (
-    plan_fields,
-    predict_locations,
-    predict_moves,
-    split_by_tier,
 )
 from lightning_shardlab.core.config import DTYPES, PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
@@ -70,7 +75,7 @@ class Plan:
     tier_seconds: float = 0.0  # lower bound for those moves on tier_link
     device_bytes: float = 0.0  # device-resident model state + gathered units at their peak
     device_memory: float | None = None  # --device-memory, bytes
-    fits: bool | None = None  # device_bytes fit; with a traced micro-batch, the step peak (budget/fits.py)
+    fits: bool | None = None  # device_bytes fit; with a traced micro-batch, the step peak (budget/predicted/fits.py)
     whole_tensor: dict[str, Any] | None = None  # a whole-tensor optimizer's owners (WholePlan.fields)
     activations: dict[str, Any] | None = None  # one micro-batch traced (ActivationTrace.fields, + checkpointing)
     step_peak: dict[str, Any] | None = None  # state + the step's busiest moment, bytes (fits.PlannedPeak)

@@ -46,7 +46,7 @@ def measure_memory(
     flat_params: list[FlatParam], optimizers: Iterable[Optimizer] = (), keep: Callable[[Tensor], bool] | None = None
 ) -> dict[str, int]:
     """Bytes this rank holds right now, by category, read from the storages of the real tensors (only those
-    ``keep`` accepts, if given: e.g. the ones in one tier, budget/tiers.py).
+    ``keep`` accepts, if given: e.g. the ones in one tier, budget/measured/tiers.py).
 
     ``params`` counts the compute copies (shards, and full buffers while they are allocated);
     ``padding`` is the part of ``params`` and ``grads`` that pads flat parameters to the world size.
@@ -72,7 +72,7 @@ def live_storages(
     flat_params: list[FlatParam], optimizers: Iterable[Optimizer] = (), batch: Any = None
 ) -> list[torch.UntypedStorage]:
     """Every storage of model state this rank holds right now, and the batch's, each once: what is live as a step
-    starts (budget/step_peak.py)."""
+    starts (budget/measured/step_peak.py)."""
     tensors = [t for ts in category_tensors(flat_params, optimizers).values() for t in ts]
     tensors += [t for t in tree_leaves(batch) if isinstance(t, Tensor)]
     storages = {}

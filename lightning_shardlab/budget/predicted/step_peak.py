@@ -1,12 +1,12 @@
-"""The step's peak predicted for the run itself, beside the one measured (budget/step_peak.py).
+"""The step's peak predicted for the run itself, beside the one measured (budget/measured/step_peak.py).
 
 At the first training batch, ``timeline_for_batch`` runs that batch — made fake, so only its shapes and dtypes
-matter — through the meta-device copy of the module (budget/activation_prediction.py's ``meta_clone``) on the
-engine's schedule (budget/step_timeline.py), with each unit's bytes read from the run's own flat-parameter
+matter — through the meta-device copy of the module (budget/predicted/activation_prediction.py's ``meta_clone``) on the
+engine's schedule (budget/predicted/step_timeline.py), with each unit's bytes read from the run's own flat-parameter
 layouts and, on gloo, the receive rooms of its verified wire (``Wire.receive_room``). The predicted peak is then
-the model state the layout keeps on the device between steps (budget/predict.py's locations) + the busiest
-moment of that timeline or of the optimizer's step (budget/optimizer_peak.py); ``predict_step_peak`` says which
-moment and what it holds.
+the model state the layout keeps on the device between steps (budget/predicted/zero_table.py's locations) + the busiest
+moment of that timeline or of the optimizer's step (budget/predicted/optimizer_peak.py); ``predict_step_peak`` says
+which moment and what it holds.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_shardlab.budget.activation_trace import STEPS
-from lightning_shardlab.budget.fits import PlannedPeak
-from lightning_shardlab.budget.step_timeline import Moment, StepTimeline, UnitBytes, no_rooms, step_timeline
+from lightning_shardlab.budget.predicted.activation_trace import STEPS
+from lightning_shardlab.budget.predicted.fits import PlannedPeak
+from lightning_shardlab.budget.predicted.step_timeline import Moment, StepTimeline, UnitBytes, no_rooms, step_timeline
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 
@@ -58,8 +58,8 @@ def predict_step_peak(
     optimizer: int | dict[str, str] | None = None,
 ) -> dict[str, Any] | None:
     """The predicted peak: the layout's device state + the busiest moment of the timeline (forward, backward) and of
-    the optimizer step (``optimizer``: its bytes beyond the state, budget/optimizer_peak.py), with that moment's
-    parts and each phase's; ``{"error": why}`` or None when there is no timeline."""
+    the optimizer step (``optimizer``: its bytes beyond the state, budget/predicted/optimizer_peak.py), with that
+    moment's parts and each phase's; ``{"error": why}`` or None when there is no timeline."""
     if not isinstance(timeline, StepTimeline):
         return timeline
     state = int(sum(report["locations_predicted"]["device"].values()))

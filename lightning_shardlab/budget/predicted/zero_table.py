@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_shardlab.budget.measure import MEMORY_CATEGORIES
+from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES
 from lightning_shardlab.core.config import PrecisionPolicy, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.optimizer import OptimizerShape
@@ -31,7 +31,7 @@ def predict_memory(
     offload: str = "none",
 ) -> dict[str, int]:
     """Bytes ``rank`` holds between steps, by the ledger's categories, from the layout alone (wherever they
-    live: budget/tiers.py splits them by tier; ``offload='cpu'`` gives every trainable shard a master of its
+    live: budget/measured/tiers.py splits them by tier; ``offload='cpu'`` gives every trainable shard a master of its
     own in host memory, fp32 training included)."""
     out = dict.fromkeys(MEMORY_CATEGORIES, 0)
     for lay in layouts:
@@ -100,8 +100,8 @@ class Traffic:
     reduce_scatter_calls: int = 0
     reduce_scatter_bytes: int = 0
     by_scope: dict[str, dict[str, list[int]]] = field(default_factory=dict)
-    all_to_all_calls: float = 0  # whole-tensor optimizers' exchanges (budget/whole_tensor.py): the bytes one
-    all_to_all_bytes: float = 0  # rank sends (a plan: the busiest rank's, budget/plan_whole.py)
+    all_to_all_calls: float = 0  # whole-tensor optimizers' exchanges (budget/predicted/whole_tensor.py): the bytes one
+    all_to_all_bytes: float = 0  # rank sends (a plan: the busiest rank's, budget/predicted/plan_whole.py)
 
     @property
     def bytes(self) -> int:

@@ -13,7 +13,8 @@ or, with options,
         class_path: lightning_shardlab.ShardLabStrategy
         init_args: {stage: 2}
 
-See ``configs/gpt_*.yaml`` for complete examples. The other subcommands are tools:
+See ``configs/gpt_*.yaml`` for complete examples. The other subcommands are tools (``plan.py`` here is
+``shardlab plan``; the checkpoint tools' ``main`` live beside their code in checkpoint/):
 
     shardlab plan --params 70e9 --world-size 64 --stage 3      # the budget before the hardware
     shardlab consolidate SRC DST                               # a sharded checkpoint -> one plain Lightning file
@@ -33,7 +34,7 @@ import lightning_shardlab  # noqa: F401  (registers "shardlab", "shardlab_stage_
 
 TOOLS = {  # subcommand -> (module whose main(argv) runs it, what it does)
     "plan": (
-        "lightning_shardlab.budget.plan_command",
+        "lightning_shardlab.cli.plan",
         "the budget before the hardware: bytes per rank, traffic and time per step",
     ),
     "consolidate": (

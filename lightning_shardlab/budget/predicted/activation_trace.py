@@ -5,7 +5,7 @@ runs under fake tensors, else ``forward`` and a loss) of a model built on the me
 ``FakeTensorMode``: every parameter becomes a fake tensor of its shape and dtype, every op computes shapes
 only, so a 7B-shaped model traces in about a second with no memory behind its tensors. Each tensor autograd
 saves for backward passes through a ``saved_tensors_hooks`` pack hook and is counted as the run's meter counts
-it (budget/activations.py: by storage, once; parameters' storages left out as model state), charged to the
+it (budget/measured/activations.py: by storage, once; parameters' storages left out as model state), charged to the
 innermost unit whose forward is running (the units of sharding/policy.py; outside all of them, the root).
 
 Precision as the run computes (common/precision.py): under ``bf16-mixed`` / ``16-mixed`` the floating
@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_shardlab.budget.activations import ROOT, SavedBytes, storage_key
+from lightning_shardlab.budget.measured.activations import ROOT, SavedBytes, storage_key
 from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.sharding.checkpointing import chosen_modules
 from lightning_shardlab.sharding.policy import UnitChoice, choose_units

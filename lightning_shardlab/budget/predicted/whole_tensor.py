@@ -11,7 +11,7 @@ With several optimizers (Muon on the matrices, AdamW on the rest) every paramete
 optimizer that holds it: elementwise ones on the parameter's slice in this rank's shard, whole-tensor ones on
 the parameters this rank owns. ``ShardLabBudget`` prints these figures per rank beside what it measured
 (budget/tables.py: ``whole_tensor_table``); ``shardlab plan --optimizer muon|adafactor`` predicts them before
-the run (budget/plan_whole.py).
+the run (budget/predicted/plan_whole.py).
 """
 
 from __future__ import annotations

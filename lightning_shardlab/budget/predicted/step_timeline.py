@@ -26,8 +26,8 @@ step ran them, in a model whose forward runs its blocks in the order it register
 On gloo the verified wire's receive rooms (comm/wire.py, ``Wire.receive_room``) count from a call's launch until
 it is waited; NCCL, and a plan, post none. What torch's checkpoint keeps beside a checkpointed module's inputs
 without an op making it (the CPU RNG state, 5 kB each) is added by hand. The step's peak is then the model state
-the layout keeps on the device + the largest of these moments (budget/step_peak_prediction.py for a run,
-budget/fits.py for a plan); the optimizer's step is predicted apart (budget/optimizer_peak.py).
+the layout keeps on the device + the largest of these moments (budget/predicted/step_peak.py for a run,
+budget/predicted/fits.py for a plan); the optimizer's step is predicted apart (budget/predicted/optimizer_peak.py).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_shardlab.budget.activation_trace import computing, fake_parameters, unit_members
-from lightning_shardlab.budget.activations import ROOT
+from lightning_shardlab.budget.measured.activations import ROOT
+from lightning_shardlab.budget.predicted.activation_trace import computing, fake_parameters, unit_members
 from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding import checkpointing, hooks
 from lightning_shardlab.sharding.flat_param import FlatParamLayout

@@ -6,7 +6,7 @@ optimizer steps by the usual recipe (Muon: the trainable parameters of two or mo
 other than the root, i.e. the blocks' matrices; AdamW: the rest, embeddings, head, norms, biases, on the
 slice in each rank's shard. Adafactor: every trainable parameter); their owners from ``assign_owners`` over
 the real sizes (sharding/owners.py), so the fullest rank's share is the real one, about 1/W; each owned
-parameter's state by ``whole_state_bytes`` (budget/whole_tensor.py). From a parameter count (``--params``):
+parameter's state by ``whole_state_bytes`` (budget/predicted/whole_tensor.py). From a parameter count (``--params``):
 no shapes, so the 1/W ideal with every parameter stepped whole (Adafactor's state then an upper bound: each
 parameter taken as a vector, whose whole second moment it keeps; matrices keep row and column statistics).
 
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_shardlab.budget.whole_tensor import whole_state_bytes
+from lightning_shardlab.budget.predicted.whole_tensor import whole_state_bytes
 from lightning_shardlab.core.config import PrecisionPolicy, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout, ParamSlot
 from lightning_shardlab.sharding.optimizer import OptimizerShape

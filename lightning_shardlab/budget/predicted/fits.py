@@ -1,11 +1,11 @@
 """Does one step fit on the device, and if not, the cheapest change that makes it fit (``shardlab plan
 --micro-batch-size B --seq-len T --device-memory 80GB``).
 
-The step's peak per rank is the model state the device keeps between steps (the plan's layout, budget/plan.py) +
-the busiest moment of one micro-batch's forward and backward run under fake tensors on the engine's schedule
-(budget/step_timeline.py): the saved activations, temporaries and gradients live then, the units gathered then
-(stage 3), and the flat gradients whose reduce-scatters fly then (on NCCL: no receive rooms). Each candidate change
-is planned and run the same way:
+The step's peak per rank is the model state the device keeps between steps (the plan's layout,
+budget/predicted/plan.py) + the busiest moment of one micro-batch's forward and backward run under fake tensors on
+the engine's schedule (budget/predicted/step_timeline.py): the saved activations, temporaries and gradients live
+then, the units gathered then (stage 3), and the flat gradients whose reduce-scatters fly then (on NCCL: no receive
+rooms). Each candidate change is planned and run the same way:
 
 1. a higher stage (2: gradients sharded; 3: parameters too, gathered per unit);
 2. ``activation_checkpointing`` (every unit's modules keep only their inputs);
@@ -34,11 +34,11 @@ from typing import Any
 
 from torch import nn
 
-from lightning_shardlab.budget.activation_trace import STEPS, ActivationTrace, token_batch, trace_activations
-from lightning_shardlab.budget.optimizer_peak import planned_step_temporaries
-from lightning_shardlab.budget.plan import COMPUTE, Plan, link_seconds, plan_model
-from lightning_shardlab.budget.predict import DEVICES, Interconnect, predict_traffic
-from lightning_shardlab.budget.step_timeline import Moment, StepTimeline, UnitBytes, step_timeline
+from lightning_shardlab.budget.predicted.activation_trace import STEPS, ActivationTrace, token_batch, trace_activations
+from lightning_shardlab.budget.predicted.optimizer_peak import planned_step_temporaries
+from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, link_seconds, plan_model
+from lightning_shardlab.budget.predicted.step_timeline import Moment, StepTimeline, UnitBytes, step_timeline
+from lightning_shardlab.budget.predicted.zero_table import DEVICES, Interconnect, predict_traffic
 from lightning_shardlab.core.config import DTYPES, Accumulation, PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.core.display import size
 from lightning_shardlab.sharding.policy import plan_units
@@ -50,7 +50,7 @@ def _gb(n: float) -> str:
 
 @dataclass
 class PlannedPeak:
-    """One rank's bytes at the step's busiest moment (budget/step_timeline.py)."""
+    """One rank's bytes at the step's busiest moment (budget/predicted/step_timeline.py)."""
 
     model_state: float  # the model state the device keeps between steps
     traced: float  # what the micro-batch holds then: saved activations, temporaries, gradients

@@ -19,8 +19,8 @@ from typing import Any
 from rich.table import Table
 from torch import Tensor
 
-from lightning_shardlab.budget.measure import MEMORY_CATEGORIES, measure_memory
-from lightning_shardlab.budget.predict import predict_memory
+from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES, measure_memory
+from lightning_shardlab.budget.predicted.zero_table import predict_memory
 from lightning_shardlab.core.config import PrecisionPolicy, Stage
 from lightning_shardlab.core.display import mib
 from lightning_shardlab.sharding.flat_param import FlatParamLayout

@@ -4,7 +4,7 @@ The sharded optimizer steps the master views of this rank's slices (sharding/opt
 on 1-D views of the master shards). ``optimizer_step_bytes`` builds, for each of the run's optimizers, an instance
 of its own class with its own param groups' options over fake tensors of those views' shapes and dtypes (with fake
 gradients), under ``FakeTensorMode``: nothing allocated. It steps once to make the state (as the first step of the
-run did), then again with every storage the second step makes watched (budget/step_timeline.py's
+run did), then again with every storage the second step makes watched (budget/predicted/step_timeline.py's
 ``LiveStorages``): the largest total is the step's temporaries beside the state. Where a group leaves ``foreach``
 to torch, the real masters decide it (a GPU run takes the multi-tensor path, a CPU run the per-tensor one), not
 the fake ones. Under mixed precision the optimizer reads fp32 copies of the grad shards, made at the end of
@@ -13,7 +13,7 @@ full buffers are gathered again from the new shards, all at once (``ShardedModel
 rooms are live then, once the update's temporaries are gone. With ``offload`` on a GPU the masters step in host
 memory, so the device sees none of it.
 
-A plan (budget/fits.py) does the same with torch's class its ``--optimizer`` names, over one 1-D master per
+A plan (budget/predicted/fits.py) does the same with torch's class its ``--optimizer`` names, over one 1-D master per
 flat parameter's shard, on the multi-tensor path a GPU takes.
 
 A whole-tensor optimizer (Muon, Adafactor: sharding/optimizer.py) steps whole parameters on their owners, with
@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim import Optimizer
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
-from lightning_shardlab.budget.step_timeline import LiveStorages, Rooms, no_rooms
+from lightning_shardlab.budget.predicted.step_timeline import LiveStorages, Rooms, no_rooms
 from lightning_shardlab.core.config import Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.optimizer import STATE_TENSORS

@@ -1,0 +1,13 @@
+"""The predicted side of the budget: the same figures derived from the layout, the plan and the first batch.
+
+zero_table.py    the ZeRO table applied to the real layout (or a parameter count): bytes and traffic per rank
+whole_tensor.py  whole-tensor optimizers (Muon, Adafactor): owned state and the owners' exchanges
+activation_prediction.py  activations predicted for the run: its first batch traced through a meta copy
+activation_trace.py  one micro-batch traced under fake tensors, with and without checkpointing
+step_timeline.py the step's live bytes moment by moment: a fake forward and backward on the engine's own schedule
+optimizer_peak.py  the optimizer step's temporaries: the run's own optimizers stepped on fakes of its masters
+step_peak.py     the step's peak predicted for the run: its layout's state + its first batch's timeline
+plan.py          the prediction for a run that has not happened: from a parameter count or a model's layout
+plan_whole.py    the plan of a whole-tensor optimizer: owners' state per rank (Muon beside AdamW), exchanges
+fits.py          the step's peak (state + the timeline's busiest moment): does it fit, and the cheapest change if not
+"""
