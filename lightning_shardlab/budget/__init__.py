@@ -8,4 +8,5 @@ callback.py   ``ShardLabBudget``: measures each step (Trainer hooks, or a Fabric
 report.py     one rank's figures at the end of a run, measured beside predicted
 tables.py     rank 0's tables of every rank's report
 bars.py       every rank's memory as a stacked bar, activations on top (shardlab_budget.png)
+timeline_picture.py  one steady step of every rank on one clock, compute and comm (shardlab_timeline.png, .trace.json)
 """
