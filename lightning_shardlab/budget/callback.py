@@ -32,6 +32,7 @@ from lightning_shardlab.budget.bars import write_bars
 from lightning_shardlab.budget.measured.activations import ActivationMeter
 from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES, live_storages, measure_memory
 from lightning_shardlab.budget.measured.step_peak import StepPeak
+from lightning_shardlab.budget.measured.step_time import TimeMeter, align_timelines
 from lightning_shardlab.budget.measured.tiers import tier_counters
 from lightning_shardlab.budget.predicted.activation_prediction import meta_clone, predict_for_batch
 from lightning_shardlab.budget.predicted.optimizer_peak import optimizer_step_bytes
@@ -52,14 +53,23 @@ class ShardLabBudget(L.Callback):
     end (every rank; rank 0 prints the tables)."""
 
     def __init__(
-        self, console: Console | None = None, json_name: str = "shardlab_budget.json", step_peak: bool = False
+        self,
+        console: Console | None = None,
+        json_name: str = "shardlab_budget.json",
+        step_peak: bool = False,
+        timeline: bool = False,
     ) -> None:
         """``step_peak``: profile the first step after the warm-up (optimizer state made, prefetch order known) to
         measure its peak of tensor memory by phase (budget/measured/step_peak.py; on CPU through torch's memory
-        profiler, which slows that step, so it is left out of the timings)."""
+        profiler, which slows that step, so it is left out of the timings). ``timeline``: draw one steady step of
+        every rank beside the JSON (``shardlab_timeline.png``, and ``shardlab_timeline.trace.json`` for Perfetto
+        or chrome://tracing: budget/timeline_picture.py)."""
         self.console = console or Console()
         self.json_name = json_name
         self.measure_step_peak = step_peak
+        self.draw_timeline = timeline
+        self.time: TimeMeter | None = None  # where each rank's time goes (budget/measured/step_time.py)
+        self._optimizer_steps = 0
         self.last: dict[str, float] = {}
         self.totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # by (kind, label)
         self.step_seconds = 0.0
@@ -135,6 +145,10 @@ class ShardLabBudget(L.Callback):
         if self.activations is not None:
             self.activations.remove()
         self.activations = ActivationMeter(run.sharded)
+        if self.time is not None:
+            self.time.stop()
+        self.time = TimeMeter(run.sharded.comm)
+        self._optimizer_steps = run.step
         self._first_step = run.step
         self._warmed_up = False
 
@@ -148,6 +162,8 @@ class ShardLabBudget(L.Callback):
         sharded = sharded_model_of(trainer)
         if sharded is None:
             return
+        if self.time is not None:
+            self.time.clock.drop_step()  # the time side, too, is the training steps'
         for key, now in sharded.comm.ledger.snapshot().items():
             before = self._val_start.get(key, (0, 0, 0.0))
             for i in range(3):
@@ -192,6 +208,8 @@ class ShardLabBudget(L.Callback):
             self.step_peak.phase("backward")
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if self.time is not None:
+            self.time.clock.phase("optimizer")  # clipping and the step
         if self.step_peak is not None:
             self.step_peak.phase("optimizer")
 
@@ -214,6 +232,7 @@ class ShardLabBudget(L.Callback):
             self.peaks = self.step_peak.stop()
             self.step_peak = None
         self.step_seconds += seconds
+        self._time_step(run)
         io = tier_counters(sharded)
         if io is not None and self._io_before is not None:
             self.storage_io = [total + now - before for total, now, before in zip(self.storage_io, io, self._io_before)]
@@ -232,6 +251,17 @@ class ShardLabBudget(L.Callback):
         if (run.step == self._first_step + 1 and not self._warmed_up) or profiled:
             self._warm_up_done(run, ledger)  # the profiled step ran slower: left out of the timing too
 
+    def _time_step(self, run: Run) -> None:
+        """A batch ended: the step clock closes the step if the optimizer stepped (else the next micro-batch's
+        loading begins)."""
+        if self.time is None:
+            return
+        if run.step == self._optimizer_steps:
+            self.time.clock.phase("data")
+            return
+        self._optimizer_steps = run.step
+        self.time.end_step()
+
     def _warm_up_done(self, run: Run, ledger: Any) -> None:
         """The per-step figures describe the steady state: the first optimizer step (no forward order yet
         to prefetch by) is left out."""
@@ -242,6 +272,8 @@ class ShardLabBudget(L.Callback):
         self.step_seconds = 0.0
         self.storage_io = [0.0, 0.0, 0.0]
         self._first_step = run.step
+        if self.time is not None:
+            self.time.reset()
 
     def _log(self, run: Run) -> None:
         """One small all-gather: every rank's figures, logged by rank 0 as shardlab/rank{r}/..."""
@@ -271,13 +303,23 @@ class ShardLabBudget(L.Callback):
         directory = run.directory()  # every rank (a Trainer's log_dir is a broadcast)
         if run.rank != 0:
             return everyone
+        align_timelines(everyone)
         print_budget(self.console, everyone)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / self.json_name).write_text(json.dumps(everyone, indent=1))
         bars = write_bars(everyone, directory / Path(self.json_name).with_suffix(".png").name)
-        drawn = f" and {bars}" if bars is not None else ""
-        self.console.print(f"[rank 0] budget written to {directory / self.json_name}{drawn}")
+        drawn = [str(p) for p in (bars, *self._pictures(everyone, directory)) if p is not None]
+        also = f" and {', '.join(drawn)}" if drawn else ""
+        self.console.print(f"[rank 0] budget written to {directory / self.json_name}{also}")
         return everyone
+
+    def _pictures(self, everyone: list[dict[str, Any]], directory: Path) -> list[Path | None]:
+        if not self.draw_timeline:
+            return []
+        from lightning_shardlab.budget.timeline_picture import write_chrome_trace, write_timeline_png
+
+        png = write_timeline_png(everyone, directory / "shardlab_timeline.png")
+        return [png, write_chrome_trace(everyone, directory / "shardlab_timeline.trace.json")]
 
     def _report(self, run: Run) -> dict[str, Any]:
         training, step_seconds = self._training_traffic(run.sharded.comm.ledger), self.step_seconds
@@ -290,5 +332,9 @@ class ShardLabBudget(L.Callback):
             self.activations = None
         measured = Measured(self.last, training, step_seconds, steps, self.storage_io, activations, self.peaks)
         report = {**rank_report(run, measured), "activations_predicted": self.predicted_activations}
+        if self.time is not None:  # collective: the last exchange of the step clock
+            report.update(self.time.report())
+            self.time.stop()
+            self.time = None
         report["step_peak_predicted"] = predict_step_peak(report, self.predicted_timeline, self.predicted_optimizer)
         return report

@@ -12,6 +12,7 @@
     mismatch.py         the errors, and the message naming where two ranks parted
     labels.py           profiler labels for the phases of a step
     ledger.py           bytes, counts and blocked seconds per collective kind, label and group kind
+    step_clock.py       where this rank's time goes: the step's phase, the unit computing, a collective blocking
 
-Nothing here knows about parameters or units: callers pass tensors and a label.
+Nothing here knows about parameters or units: callers pass tensors and a label (the step clock, a unit's name).
 """

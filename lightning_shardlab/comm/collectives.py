@@ -22,6 +22,7 @@ from torch import Tensor
 from lightning_shardlab.comm.call import CollectiveCall, CollectiveObserver
 from lightning_shardlab.comm.labels import phase
 from lightning_shardlab.comm.ledger import Ledger
+from lightning_shardlab.comm.step_clock import CallTimes, StepClock
 from lightning_shardlab.comm.transport import Builtin, Launched, pairwise_all_to_all
 from lightning_shardlab.comm.verify import HEADER, HeaderExchange, Headers
 from lightning_shardlab.comm.wire import KEPT_AFTER_FAILURE, MIN_LIMIT, Wire
@@ -52,6 +53,7 @@ class Comm:
     ranks: tuple[int, ...] | None = None
     partition: tuple[tuple[int, ...], ...] | None = None
     parent: Comm | None = None
+    clock: StepClock | None = None  # where this rank's time goes (comm/step_clock.py), while someone measures it
 
     @property
     def backend(self) -> str:
@@ -85,6 +87,23 @@ class Comm:
             yield
         finally:
             root.waiting -= 1
+
+    @property
+    def step_clock(self) -> StepClock | None:
+        """The clock running on this rank, shared by every group of its mesh (None: nobody measures time)."""
+        return (self.parent or self).clock
+
+    @contextmanager
+    def timed(self, kind: str, label: str) -> Iterator[None]:
+        """A call this rank blocks on from start to end (the object collectives): blocked time on the clock."""
+        clock = self.step_clock
+        times = clock.arrive(kind, label, self.ranks) if clock is not None else None
+        try:
+            yield
+        finally:
+            if times is not None:
+                clock.launched(times, [])
+                times.completed = times.launched
 
     def global_rank(self, rank: int) -> int:
         """The world rank of this group's ``rank``."""
@@ -148,17 +167,24 @@ class Pending:
     time it was in flight."""
 
     def __init__(
-        self, launched: Launched, record: Callable[[float], None], launch_seconds: float = 0.0, comm: Comm | None = None
+        self,
+        launched: Launched,
+        record: Callable[[float], None],
+        launch_seconds: float = 0.0,
+        comm: Comm | None = None,
+        times: CallTimes | None = None,
     ) -> None:
         self._launched, self._record, self._comm = launched, record, comm
         self._blocked = launch_seconds
+        self._times = times  # its times on the step clock, if one runs (comm/step_clock.py)
+        self._clock = comm.step_clock if times is not None else None
         self.done = False
 
     def wait(self) -> None:
         if self.done:
             return
         self.done = True  # also when the check raises: its works are not waited for again
-        started = time.perf_counter()
+        started = time.perf_counter() if self._clock is None else self._clock.block(self._times)
         launched = self._launched
         with self._comm.blocking() if self._comm is not None else nullcontext():
             for work in launched.first:
@@ -173,6 +199,8 @@ class Pending:
                 work.wait()
         if launched.finish is not None:
             launched.finish()
+        if self._clock is not None:
+            self._clock.unblock(self._times, started)
         self._record(self._blocked + time.perf_counter() - started)
 
 
@@ -193,6 +221,8 @@ def _run(
 
     ``launch(call)`` returns a work or a ``Launched``; ``finish`` runs after the launched finishing step."""
     call = comm.start(kind, label, full, sizes)
+    clock = comm.step_clock
+    times = clock.arrive(kind, label, comm.ranks) if clock is not None else None
     with phase(kind, label):
         started = time.perf_counter()
         with comm.blocking():  # a payload larger than the wire's room waits for the headers here
@@ -202,7 +232,10 @@ def _run(
         if finish is not None:
             first = launched.finish
             launched.finish = finish if first is None else lambda: (first(), finish())
-        pending = Pending(launched, lambda seconds: comm.finish(call, seconds), time.perf_counter() - started, comm)
+        seconds = time.perf_counter() - started
+        if times is not None:
+            clock.launched(times, [*launched.first, *launched.works])
+        pending = Pending(launched, lambda seconds: comm.finish(call, seconds), seconds, comm, times)
     if not async_op:
         pending.wait()
     return pending
@@ -320,13 +353,13 @@ def broadcast(tensor: Tensor, comm: Comm, src: int = 0, label: str = "") -> Tens
     return tensor
 
 
-def all_gather_object(obj: Any, comm: Comm, label: str = "") -> list[Any]:
-    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+def all_gather_object(obj: Any, comm: Comm, label: str = "", kind: str = "all_gather_object") -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank (``kind``: what the ledger files it under)."""
     if comm.world_size == 1:
         return [obj]
-    call = comm.start("all_gather_object", label, None)
+    call = comm.start(kind, label, None)
     started = time.perf_counter()
-    with comm.blocking():
+    with comm.blocking(), comm.timed(kind, label):
         if comm.wire is not None:
             out = comm.wire.all_gather_object(call, obj)
         else:
@@ -340,7 +373,7 @@ def barrier(comm: Comm, label: str = "") -> None:
     if comm.world_size > 1:
         call = comm.start("barrier", label, None)
         started = time.perf_counter()
-        with comm.blocking():
+        with comm.blocking(), comm.timed("barrier", label):
             if comm.wire is not None:
                 comm.wire.barrier(call)
             else:
@@ -354,7 +387,7 @@ def broadcast_object(obj: Any, comm: Comm, src: int = 0) -> Any:
         return obj
     call = comm.start("broadcast_object", "", None)
     started = time.perf_counter()
-    with comm.blocking():
+    with comm.blocking(), comm.timed("broadcast_object", ""):
         if comm.wire is not None:
             obj = comm.wire.broadcast_object(call, obj, src)
         else:

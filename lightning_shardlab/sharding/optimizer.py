@@ -245,6 +245,8 @@ def _sharded_methods(cls: type[Optimizer], sharded: ShardedModel, whole: bool) -
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if sharded.comm.clock is not None:
+            sharded.comm.clock.phase("optimizer")
         with in_place(self, sharded):
             update = getattr(self, "_shardlab_update", None)  # offload='disk' steps one flat parameter at a time
             update(raw) if update is not None else raw(self)

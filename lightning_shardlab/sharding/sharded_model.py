@@ -146,6 +146,8 @@ class ShardedModel:
     def post_forward(self, unit: Unit) -> None:
         """Stage 3: free the unit after forward, unless backward needs it next; with
         ``reshard_after_forward=k`` keep its group shards for backward (sharding/unit.py)."""
+        if self.comm.clock is not None:
+            self.comm.clock.leave(unit.name)
         if unit.is_root:
             if not torch.is_grad_enabled() and not self._root_held:
                 unit.reshard()
@@ -172,10 +174,11 @@ class ShardedModel:
         if unit.is_root and not self._root_held:
             self._begin_pass()  # a loop of the user's own (Fabric, plain torch): each root forward starts one
         unit.unshard()
-        if unit.is_root:
-            return
-        self._order.append(unit)
-        self._prefetch_after(unit, self._last_order)
+        if not unit.is_root:
+            self._order.append(unit)
+            self._prefetch_after(unit, self._last_order)
+        if self.comm.clock is not None:  # the unit computes from here to its post-forward
+            self.comm.clock.enter("forward", unit.name)
 
     def pre_backward(self, unit: Unit) -> None:
         self._end_of_backward.queue()
@@ -184,6 +187,8 @@ class ShardedModel:
             if not unit.is_root:
                 self._prefetch_after(unit, self._order[::-1])  # backward runs the forward order backwards
         unit.training = TrainingState.BACKWARD
+        if self.comm.clock is not None:  # the unit computes its backward (recomputation included) until post-backward
+            self.comm.clock.enter("backward", unit.name)
 
     def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
         if self.config.stage is not Stage.PARAMETERS or unit not in order:
@@ -201,6 +206,8 @@ class ShardedModel:
         unit.awaiting_post_backward = 0
         if unit.training is not TrainingState.BACKWARD:
             return
+        if self.comm.clock is not None:
+            self.comm.clock.leave(unit.name)
         unit.training = TrainingState.IDLE  # post-backward moves it on: GRADS_PENDING, then REDUCING
         with phase("post_backward", unit.name):
             if unit.grad_flat_params:
@@ -270,6 +277,8 @@ class ShardedModel:
     def _begin_pass(self) -> None:
         """A new forward pass: last pass's unit order becomes the order prefetching follows; its first unit's
         gather starts now (stage 3)."""
+        if self.comm.clock is not None:
+            self.comm.clock.phase("forward")
         self._last_order, self._order = self._order or self._last_order, []
         for unit in self.units:  # a pass that raised half-way leaves no count behind
             unit.forwarded = 0
@@ -307,6 +316,8 @@ class ShardedModel:
 
     def prepare_backward(self, loss: Tensor) -> None:
         """Announce the root's pre-backward when backward starts from ``loss``."""
+        if self.comm.clock is not None:
+            self.comm.clock.phase("backward")
         hooks.hook_pre_backward(self, self.root, loss)
 
     @contextmanager

@@ -1,0 +1,137 @@
+"""The time side of the budget, measured: every rank's step split into parts that add up, a straggler named,
+a healthy run naming none, and one steady step pictured (budget/measured/step_time.py, stragglers.py).
+
+One 2-rank launch runs every case (a list of settings), each a short fit of a tiny GPT with ``ShardLabBudget``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from rich.console import Console
+
+from lightning_shardlab import ShardLabBudget, ShardLabStrategy
+from lightning_shardlab.budget.measured.step_time import ADDITIVE, TIME_KEYS
+from tests.helpers.launch import run_ranks
+from tests.models.gpt import OrderedData, TinyGPT, token_dataset
+
+GPT = {"vocab": 61, "block_size": 8, "n_layer": 3, "n_embd": 48, "n_head": 4}
+SLEEP = 0.03  # seconds: the straggler's extra time in one unit's forward
+
+
+def _slow_down(block: torch.nn.Module, rank: int, seconds: float) -> None:
+    """``rank`` spends ``seconds`` more inside ``block``'s forward (its compute, between the engine's hooks)."""
+    forward = block.forward
+
+    def slower(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if torch.distributed.get_rank() == rank:
+            time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    block.forward = slower
+
+
+def fit_case(out: str, stage: int, steps: int, slow: str | None = None, timeline: bool = False) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = TinyGPT(**GPT)
+    if slow == "one_unit":  # rank 1 sleeps in blocks.1's forward
+        _slow_down(model.blocks[1], 1, SLEEP)
+    elif slow == "every_unit":  # rank 1 computes slower everywhere (as with fewer threads)
+        for block in model.blocks:
+            _slow_down(block, 1, SLEEP / 3)
+    budget = ShardLabBudget(Console(file=io.StringIO(), width=300), timeline=timeline)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ShardLabStrategy(stage=stage, unit_bucket_params=0),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=out,
+        callbacks=[budget],
+        limit_val_batches=0,
+    )
+    data = token_dataset(steps * 2 * 2, vocab=61, block_size=8)
+    trainer.fit(model, OrderedData(data, 2))
+    trainer.strategy.barrier()
+    files = {p.name for p in Path(out).iterdir()}
+    return {"report": budget.reports[trainer.global_rank], "files": sorted(files)}
+
+
+def many_cases(cases: list[dict[str, Any]], root: str) -> list[dict[str, Any]]:
+    out = []
+    for i, case in enumerate(cases):
+        directory = Path(root) / str(i)
+        out.append(fit_case(str(directory), **case))
+    return out
+
+
+CASES = [
+    {"stage": 3, "steps": 8, "timeline": True},
+    {"stage": 1, "steps": 4},
+    {"stage": 2, "steps": 4},
+    {"stage": 3, "steps": 13, "slow": "one_unit"},
+    {"stage": 3, "steps": 13, "slow": "every_unit"},
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("time")
+    by_rank = run_ranks("tests.test_time_measured:many_cases", 2, {"cases": CASES, "root": str(root)}, timeout=300)
+    return [[by_rank[r][i] for r in range(2)] for i in range(len(CASES))] + [root]  # type: ignore[list-item]
+
+
+def test_the_parts_add_up_to_the_step_on_every_rank_at_every_stage(results: list) -> None:
+    for case, ranks in zip(CASES, results):
+        for rank in ranks:
+            measured = rank["report"]["time_measured"]
+            assert set(measured) == set(TIME_KEYS), case
+            assert all(v >= 0 for v in measured.values()), (case, measured)
+            parts = sum(measured[k] for k in ADDITIVE)
+            assert abs(parts - measured["step"]) <= 0.05 * measured["step"], (case, measured)
+            assert measured["forward"] > 0 and measured["backward"] > 0 and measured["optimizer"] > 0, case
+            by_unit = rank["report"]["time_by_unit"]
+            assert {"blocks.0", "blocks.1", "blocks.2"} <= set(by_unit), by_unit
+            units_total = sum(v.get("forward", 0.0) + v.get("backward", 0.0) for v in by_unit.values())
+            assert units_total <= measured["forward"] + measured["backward"] + 1e-9
+
+
+def test_a_healthy_run_names_no_straggler(results: list) -> None:
+    for case, ranks in zip(CASES, results):
+        if "slow" not in case:
+            assert all(rank["report"]["stragglers"] == [] for rank in ranks), case
+
+
+def test_a_rank_slow_in_one_unit_is_named_with_where_the_others_wait(results: list) -> None:
+    for ranks in (results[3], results[4]):
+        named = [rank["report"]["stragglers"] for rank in ranks]
+        assert named[0] == named[1] and len(named[0]) == 1, named  # the same verdict on every rank
+    one, every = results[3][0]["report"]["stragglers"][0], results[4][0]["report"]["stragglers"][0]
+    assert one["rank"] == 1 and one["where"] == "blocks.1 forward" and one["ratio"] >= 1.5, one
+    assert "ranks 0 wait" in one["message"], one
+    assert every["rank"] == 1 and every["where"] == "compute", every
+    # the other rank waits for it: its waiting_for_ranks is the sleep, give or take
+    waiting = results[3][0]["report"]["time_measured"]["waiting_for_ranks"]
+    assert waiting >= 0.5 * SLEEP, results[3][0]["report"]["time_measured"]
+
+
+def test_one_steady_step_is_pictured_as_a_chrome_trace_with_a_process_per_rank(results: list) -> None:
+    root = results[-1]
+    assert {"shardlab_timeline.png", "shardlab_timeline.trace.json"} <= set(results[0][0]["files"])
+    trace = json.loads((root / "0" / "shardlab_timeline.trace.json").read_text())
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert complete and all({"ph", "ts", "dur", "pid", "tid"} <= set(e) for e in complete)
+    assert {e["pid"] for e in complete} == {0, 1}
+    names = [e for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
+    assert len(names) == 2
