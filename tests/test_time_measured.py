@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +63,13 @@ def fit_case(out: str, stage: int, steps: int, slow: str | None = None, timeline
         limit_val_batches=0,
     )
     data = token_dataset(steps * 2 * 2, vocab=61, block_size=8)
-    trainer.fit(model, OrderedData(data, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, OrderedData(data, 2))
+    warned = [str(w.message) for w in caught if "straggler" in str(w.message)]
     trainer.strategy.barrier()
     files = {p.name for p in Path(out).iterdir()}
-    return {"report": budget.reports[trainer.global_rank], "files": sorted(files)}
+    return {"report": budget.reports[trainer.global_rank], "files": sorted(files), "warned": warned}
 
 
 def many_cases(cases: list[dict[str, Any]], root: str) -> list[dict[str, Any]]:
@@ -120,6 +124,8 @@ def test_a_rank_slow_in_one_unit_is_named_with_where_the_others_wait(results: li
     one, every = results[3][0]["report"]["stragglers"][0], results[4][0]["report"]["stragglers"][0]
     assert one["rank"] == 1 and one["where"] == "blocks.1 forward" and one["ratio"] >= 1.5, one
     assert "ranks 0 wait" in one["message"], one
+    assert results[3][0]["warned"] == [f"[rank 0] straggler: {one['message']}"]  # the guard, on rank 0, once
+    assert all(not rank["warned"] for case in results[:3] for rank in case)
     assert every["rank"] == 1 and every["where"] == "compute", every
     # the other rank waits for it: its waiting_for_ranks is the sleep, give or take
     waiting = results[3][0]["report"]["time_measured"]["waiting_for_ranks"]

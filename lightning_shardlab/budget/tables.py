@@ -3,8 +3,8 @@
 Memory per rank by category, a line on the units (what stage 3 gathers at a time, and which option made
 them), communication per step by collective (all_to_all: the bytes this rank sends), by group for hybrid or
 regrouped runs, the offload tiers, what the owners of whole-tensor optimizers (Muon, Adafactor) hold and
-exchange (budget/predicted/whole_tensor.py), and the activations saved for backward by unit
-(budget/measured/activations.py).
+exchange (budget/predicted/whole_tensor.py), the activations saved for backward by unit
+(budget/measured/activations.py), and time per step by part (budget/measured/step_time.py) with the stragglers.
 """
 
 from __future__ import annotations
@@ -36,6 +36,34 @@ def print_budget(console: Console, everyone: list[dict[str, Any]]) -> None:
         print_table(console, activations_table(everyone))
     if any(r.get("step_peak_measured") for r in everyone):
         print_table(console, step_peak_table(everyone))
+    if any(r.get("time_measured") for r in everyone):
+        print_table(console, time_table(everyone))
+        for straggler in everyone[0].get("stragglers", []):
+            console.print(f"[rank 0] straggler: {straggler['message']}")
+
+
+TIME_COLUMNS = ("step", "forward", "backward", "optimizer", "data", "comm_exposed", "waiting_for_ranks", "comm_hidden")
+
+
+def time_table(everyone: list[dict[str, Any]]) -> Table:
+    """Each rank's seconds per optimizer step by part, in ms, measured (predicted); comm_hidden overlaps the rest."""
+    first = everyone[0]
+    table = Table(
+        title=f"shardlab budget: time per optimizer step ({first.get('time_steps', 0)} steps), ms,"
+        " measured (predicted)",
+        caption="step = forward + backward + optimizer + data + comm_exposed + waiting_for_ranks;"
+        " comm_hidden is in flight while computing (overlapped, not added)",
+    )
+    for col in ("rank", *TIME_COLUMNS):
+        table.add_column(col.replace("_", " "), justify="right")
+    for r in everyone:
+        measured, predicted = r.get("time_measured") or {}, r.get("time_predicted") or {}
+        cells = [
+            f"{measured.get(k, 0.0) * 1e3:.1f}" + (f" ({predicted[k] * 1e3:.1f})" if k in predicted else "")
+            for k in TIME_COLUMNS
+        ]
+        table.add_row(str(r["rank"]), *cells)
+    return table
 
 
 def memory_table(everyone: list[dict[str, Any]]) -> Table:

@@ -90,7 +90,7 @@ def make_trainer(
         log_every_n_steps=5,
         enable_checkpointing=False,
         logger=CSVLogger(logs, name="logs"),
-        callbacks=[ShardLabBudget(), *callbacks],
+        callbacks=[ShardLabBudget(timeline=True), *callbacks],
     )
 
 

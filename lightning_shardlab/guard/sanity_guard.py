@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +83,7 @@ class SanityGuard:
         self.strict: StrictCollectives | None = None
         self.watchdog: Watchdog | None = None
         self.orderly: OrderlyStop | None = None
+        self._stragglers_warned = 0  # how many of the step clock's stragglers were warned of
 
     @property
     def comm(self) -> Comm:
@@ -112,6 +114,17 @@ class SanityGuard:
         every = self.config.every_n_steps
         if every and step % every == 0:
             self.check(f"before step {step}", batch)
+        self.warn_of_stragglers()
+
+    def warn_of_stragglers(self) -> None:
+        """Warn once of each rank the step clock named persistently slower (budget/measured/stragglers.py, while
+        ShardLabBudget measures time; every rank names the same ones, rank 0 says so)."""
+        clock = self.comm.step_clock
+        named = clock.stragglers if clock is not None else []
+        for straggler in named[self._stragglers_warned :]:
+            if self.comm.rank == 0:
+                warnings.warn(f"[rank 0] straggler: {straggler['message']}", stacklevel=2)
+        self._stragglers_warned = len(named)
 
     def check(self, when: str, batch: Any = None) -> None:
         """Collective: fingerprints, then replicated state, then data. Raises on every rank on a fault."""

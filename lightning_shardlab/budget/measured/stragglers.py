@@ -22,6 +22,7 @@ from typing import Any
 RATIO = 1.5  # a unit this many times the other ranks' median ...
 COMPUTE_RATIO = 1.25  # ... or all of its compute this many times theirs ...
 SHARE = 0.05  # ... and slower by at least this share of the median step
+UNIT_SHARE = 0.6  # a unit holding this much of the compute's excess is where the rank is slow
 
 
 @dataclass
@@ -47,20 +48,22 @@ def _sum(steps: list[WindowSummary], rank: int) -> dict[str, Any]:
     return out
 
 
-def _slowest(rank: int, sums: list[dict[str, Any]]) -> tuple[str, float, float] | None:
-    """This rank's worst excess over the others' median: (where, ratio, excess seconds), or None."""
+def _slowest(rank: int, sums: list[dict[str, Any]]) -> tuple[str, float] | None:
+    """Where this rank is slow against the others' median: (where, ratio), or None. One unit when it holds most
+    (``UNIT_SHARE``) of the excess of its compute; "compute" when the excess is spread over the units."""
     others = [s for r, s in enumerate(sums) if r != rank]
     step = statistics.median(s["step"] for s in sums)
-    found = []
+    units = []
     for name, seconds in sums[rank]["units"].items():
         typical = statistics.median(o["units"].get(name, 0.0) for o in others)
         if typical > 0 and seconds >= RATIO * typical and seconds - typical >= SHARE * step:
-            found.append((name, seconds / typical, seconds - typical))
-    typical = statistics.median(o["compute"] for o in others)
-    mine = sums[rank]["compute"]
-    if typical > 0 and mine >= COMPUTE_RATIO * typical and mine - typical >= SHARE * step:
-        found.append(("compute", mine / typical, mine - typical))
-    return max(found, key=lambda f: f[2]) if found else None
+            units.append((seconds - typical, name, seconds / typical))
+    unit = max(units, default=None)
+    typical, mine = statistics.median(o["compute"] for o in others), sums[rank]["compute"]
+    spread = typical > 0 and mine >= COMPUTE_RATIO * typical and mine - typical >= SHARE * step
+    if unit is not None and not (spread and unit[0] < UNIT_SHARE * (mine - typical)):
+        return unit[1], unit[2]
+    return ("compute", mine / typical) if spread else None
 
 
 def _where_others_wait(rank: int, sums: list[dict[str, Any]]) -> str:
@@ -91,7 +94,7 @@ class Stragglers:
             slow = _slowest(rank, sums)
             if slow is None:
                 continue
-            where, ratio, _ = slow
+            where, ratio = slow
             seen[rank] = (where, ratio)
             before = self._last.get(rank)
             if before is not None and before[0] == where and all(s["rank"] != rank for s in self.named):
