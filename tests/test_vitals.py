@@ -103,6 +103,9 @@ def test_every_rank_is_logged_to_the_trainers_logger(vitals_run: tuple[list[dict
                 assert rows[-1][f"vitals/{signal}/rank{rank}"], (signal, rank)
     for signal in ("grad_norm", "update_ratio/blocks.0", "update_ratio/root"):  # the same on every rank: once
         assert rows[-1][f"vitals/{signal}"] and f"vitals/{signal}/rank0" not in rows[-1], signal
+    for rank in range(3):  # where each rank's time went: the step, and the part blocked on collectives
+        step, blocked = (float(rows[-1][f"vitals/{k}/rank{rank}"]) for k in ("step_seconds", "comm_blocked_seconds"))
+        assert 0 < blocked < step, (rank, step, blocked)
     losses = {rank: float(rows[-1][f"vitals/loss/rank{rank}"]) for rank in range(3)}
     assert len(set(losses.values())) == 3  # each rank's own loss, not an average
 

@@ -35,6 +35,7 @@ class Ledger:
         default_factory=lambda: defaultdict(CollectiveTotals)
     )
 
+    blocked_seconds: float = 0.0  # all seconds blocked on collectives since the ledger was made (reset keeps it)
     gathered_bytes: int = 0  # full buffers allocated right now by stage-3 unsharding
     gathered_peak: int = 0  # the most at once since the last reset_peak()
 
@@ -52,6 +53,7 @@ class Ledger:
         self.by_call[(scope, kind, label)].add(nbytes)
 
     def record_seconds(self, kind: str, label: str, seconds: float, scope: str = "world") -> None:
+        self.blocked_seconds += seconds
         self.by_kind[kind].seconds += seconds
         self.by_label[(kind, label)].seconds += seconds
         self.by_scope[(scope, kind)].seconds += seconds

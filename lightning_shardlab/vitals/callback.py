@@ -11,6 +11,9 @@ per replica (each rank's own data: one curve per rank, overlaid)
                               gradient just before its reduce-scatter (with accumulation='reduce', the
                               root-sum-square over the step's micro-batches); ``grad_norm_local``: all units
     act_mean/std/absmax/<unit>  statistics of each unit's output on this rank's data
+    step_seconds              this rank's wall time since the previous batch ended (the loader included)
+    comm_blocked_seconds      of it, the seconds this rank was blocked on collectives (comm/ledger.py): the
+                              rank the others wait for blocks least (the budget names such stragglers)
 
 global (the same on every rank by construction: drawn once, in black, never an outlier)
     grad_norm                 the norm of the averaged gradient the optimizer steps with (before clipping)
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,7 +148,8 @@ class ShardLabVitals(L.Callback):
     def signals(self) -> list[str]:
         """The per-rank signals, in row order."""
         kinds = ("act_mean", "act_std", "act_absmax", "grad_norm_local")
-        return ["loss", "grad_norm_local", *(f"{kind}/{u.name}" for u in self.units for kind in kinds)]
+        timing = ("step_seconds", "comm_blocked_seconds")
+        return ["loss", "grad_norm_local", *timing, *(f"{kind}/{u.name}" for u in self.units for kind in kinds)]
 
     @property
     def global_signals(self) -> list[str]:
@@ -164,6 +169,16 @@ class ShardLabVitals(L.Callback):
         if self.sharded is not None:
             self.sharded.grad_observers.append(self._observe_flat_grad)
         self.batches, self.steps, self.rows = 0, [], []
+        self._clock = (time.perf_counter(), self._blocked())  # at the end of the previous batch
+
+    def _blocked(self) -> float:
+        return self.sharded.comm.ledger.blocked_seconds if self.sharded is not None else math.nan
+
+    def _timing(self) -> list[float]:
+        """This batch's wall time and seconds blocked on collectives, since the previous batch ended."""
+        now, blocked = time.perf_counter(), self._blocked()
+        (then, before), self._clock = self._clock, (now, blocked)
+        return [now - then, blocked - before]
 
     # ---- a Fabric loop: the same hooks, called by hand ----
 
@@ -225,8 +240,9 @@ class ShardLabVitals(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         assert self.activations is not None
+        timing = self._timing()
         if self.activations.active:
-            self._record(self._measure(outputs))
+            self._record(self._measure(outputs, timing))
         self.activations.active = False
         self.batches += 1
 
@@ -262,7 +278,7 @@ class ShardLabVitals(L.Callback):
 
     # ---- measuring, gathering, logging ----
 
-    def _measure(self, outputs: Any) -> Tensor:
+    def _measure(self, outputs: Any, timing: list[float]) -> Tensor:
         """This rank's row: its signals, then the sums the global signs are made of. 1-D float64."""
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         local = [self._local_norm(u) for u in self.units]
@@ -270,6 +286,7 @@ class ShardLabVitals(L.Callback):
         row = [
             float(loss) if isinstance(loss, Tensor) and loss.numel() == 1 else math.nan,
             math.sqrt(sum(v * v for v in measured)) if measured else math.nan,
+            *timing,
         ]
         assert self.activations is not None
         for unit, norm in zip(self.units, local):

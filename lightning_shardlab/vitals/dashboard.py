@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 GLOBAL = "grad_norm"  # the norm of the averaged gradient: the same on every rank
 LINEAR = ("loss", "act_mean")  # signals that may be negative; the rest are compared in log10
+# where each rank's time goes: drawn, never outliers (a shared machine's timings are noisy step by step; the budget
+# names a rank that is slow over windows of steps: budget/measured/stragglers.py)
+TIMING = (("step_seconds", "step time, s"), ("comm_blocked_seconds", "blocked on collectives, s"))
 
 
 @dataclass
@@ -97,7 +100,7 @@ def _quiet() -> Iterator[None]:
 def find_outliers(history: VitalsHistory, z: float = 6.0) -> list[Outlier]:
     out = []
     for signal in history.signals:
-        if signal in history.global_signals or history.world_size < 2:
+        if signal in history.global_signals or signal in dict(TIMING) or history.world_size < 2:
             continue
         raw = history.series(signal)  # (steps, world)
         x = _comparable(signal, raw)
@@ -128,15 +131,23 @@ UNIT_SIGNALS = (
 
 
 def panel_grid(n_units: int) -> tuple[int, int, list[tuple[int, int, int]]]:
-    """Rows, columns and each panel's (row, first column, columns spanned), in drawing order: the loss and the
-    gradient norm, then each unit signal for each unit. Several units: a row per signal, a column per unit, the
-    top row split between the two run-wide panels. One unit: its four panels and the two run-wide ones fill
-    a 2 x 3 grid, so no cell is left empty."""
+    """Rows, columns and each panel's (row, first column, columns spanned), in drawing order: the run-wide panels
+    (the loss, the gradient norm, the step time, the time blocked on collectives), then each unit signal for each
+    unit. Several units: a row per signal, a column per unit, the top row split between the run-wide panels. One
+    unit (or none): its panels after the run-wide ones, four to a row. No cell is left empty."""
+    run_wide = 2 + len(TIMING)
     if n_units <= 1:
-        return 2, 3, [(k // 3, k % 3, 1) for k in range(2 + len(UNIT_SIGNALS) * n_units)]
-    half = n_units // 2
-    top = [(0, 0, half), (0, half, n_units - half)]
-    return 1 + len(UNIT_SIGNALS), n_units, top + [(i, j, 1) for i in range(1, 5) for j in range(n_units)]
+        n = run_wide + len(UNIT_SIGNALS) * n_units
+        return n // run_wide, run_wide, [(k // run_wide, k % run_wide, 1) for k in range(n)]
+    cols = max(n_units, run_wide)
+    rows = [(0, run_wide)] + [(i, n_units) for i in range(1, 1 + len(UNIT_SIGNALS))]
+    return 1 + len(UNIT_SIGNALS), cols, [cell for row, n in rows for cell in _split(row, n, cols)]
+
+
+def _split(row: int, n: int, cols: int) -> list[tuple[int, int, int]]:
+    """``n`` panels side by side across ``cols`` columns of ``row``."""
+    edges = [round(i * cols / n) for i in range(n + 1)]
+    return [(row, a, b - a) for a, b in zip(edges, edges[1:])]
 
 
 def render_png(history: VitalsHistory, outliers: list[Outlier], path: Path, max_units: int = 8) -> Figure:
@@ -159,8 +170,10 @@ def render_png(history: VitalsHistory, outliers: list[Outlier], path: Path, max_
         axes[1].plot(
             history.steps, history.series(GLOBAL)[:, 0], color="black", linestyle="--", linewidth=1.2, label="global"
         )
+    for ax, (signal, title) in zip(axes[2:], TIMING):
+        _panel(ax, history, signal, title, colors, marks, log=False)
     panels = [(f"{prefix}/{unit}", f"{title} ({unit})") for prefix, title in UNIT_SIGNALS for unit in units]
-    for ax, (signal, title) in zip(axes[2:], panels):
+    for ax, (signal, title) in zip(axes[2 + len(TIMING) :], panels):
         _panel(ax, history, signal, title, colors, marks, log=True)
     handles = [Line2D([], [], color=colors(r % 10), label=f"rank {r}") for r in range(history.world_size)]
     handles.append(Line2D([], [], color="black", label="the same on every rank"))
