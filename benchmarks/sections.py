@@ -10,6 +10,7 @@ MARKERS = {
     "identity_cost": ("<!-- identity_cost: begin -->", "<!-- identity_cost: end -->"),
     "whole_tensor": ("<!-- whole_tensor: begin -->", "<!-- whole_tensor: end -->"),
     "activations_cost": ("<!-- activations_cost: begin -->", "<!-- activations_cost: end -->"),
+    "time_cost": ("<!-- time_cost: begin -->", "<!-- time_cost: end -->"),
 }
 
 
