@@ -32,6 +32,16 @@ smaller micro-batch with gradient accumulation, offload, a larger shard group):
     shardlab plan --model transformers.LlamaForCausalLM --init-args '{"num_hidden_layers": 32}' --world-size 8 \\
         --micro-batch-size 4 --seq-len 4096 --device-memory 80GB
 
+With a traced micro-batch it also prints the time per optimizer step (budget/predicted/step_time.py): forward,
+backward, optimizer, communication exposed and hidden, by collective kind, on the engine's schedule over the plan's
+links, compute at ``--device`` x ``--mfu`` (default h100 x 0.4), ``--flops`` FLOP/s given, or ``--flops here``
+(measured on this machine); ``--accumulate-grad-batches M`` micro-batches per step. When communication is exposed,
+the cheapest change that hides it (budget/predicted/plan_time.py: stage, shard group, resharding, micro-batch).
+From ``--params`` alone it prints each collective's time on the wire, and says compute needs a model.
+
+    shardlab plan --model lightning_shardlab.examples.gpt.GPT --init-args '{"block_size": 1024}' --world-size 8 \\
+        --interconnect 10gbe --micro-batch-size 8 --seq-len 1024 --flops here
+
 ``--optimizer muon|adafactor`` plans a whole-tensor optimizer (budget/predicted/plan_whole.py): each parameter it steps
 is owned by one rank, which keeps its state; the plan shows the fullest rank's share (about 1/W) and the
 all-to-alls per step. With ``--model`` or ``--config``, Muon steps the parameters of 2+ dimensions inside
@@ -55,14 +65,24 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from lightning_shardlab.budget.measured.local_link import measure_local_link
 from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES
 from lightning_shardlab.budget.measured.tiers import (
     LINKS,
     plan_rows,
 )
+from lightning_shardlab.budget.predicted.compute_rate import measure_rate, preset_rate
 from lightning_shardlab.budget.predicted.fits import Setting, add_activations
 from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, plan_model, plan_params
+from lightning_shardlab.budget.predicted.plan_time import (
+    TimedSetting,
+    basis_line,
+    change_rows,
+    choice_line,
+    comm_only_time,
+    plan_time,
+    time_rows,
+)
+from lightning_shardlab.budget.predicted.run_time import local_link
 from lightning_shardlab.budget.predicted.zero_table import (
     DEVICES,
     INTERCONNECTS,
@@ -244,12 +264,42 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f} ms"
 
 
+def print_time(time: dict[str, Any], console: Console) -> None:
+    """The time per step: its parts, by collective kind, and (communication exposed) the changes tried; without
+    compute, each collective's time on the wire."""
+    if "step" not in time:
+        rows = [(kind, _ms(entry["seconds"])) for kind, entry in time["by_collective"].items()]
+        _rows_table(console, "time per step: communication", ("collective", "on the wire >="), rows)
+        console.print(time["note"], soft_wrap=True)
+        return
+    _rows_table(console, "time per step (predicted)", ("", "per step", "share"), time_rows(time))
+    console.print(basis_line(time), soft_wrap=True)
+    if "changes" in time:
+        title = f"changes that hide communication ({_ms(time['comm_exposed'])} exposed of {_ms(time['step'])})"
+        _rows_table(console, title, ("change", "step", "comm exposed", "vs now", "note"), change_rows(time))
+        console.print(choice_line(time), soft_wrap=True)
+
+
+def _rows_table(console: Console, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    table = Table(title=title)
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 or col == "note" else "right")
+    for row in rows:
+        table.add_row(*row)
+    print_table(console, table)
+
+
 # ---- the command ----
 
 
 def group_size(text: str) -> int | str:
     """``--shard-group-size``: a number of ranks, or 'node'."""
     return text if text == "node" else int(text)
+
+
+def flops(text: str) -> float | str:
+    """``--flops``: a FLOP/s figure, or 'here'."""
+    return text if text == "here" else float(text)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -272,6 +322,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-group-size", type=group_size, help="hybrid: G ranks shard the model, or 'node'")
     p.add_argument("--ranks-per-node", type=int, help="for --shard-group-size node (default: the world size)")
     p.add_argument("--reshard-after-forward", type=int, metavar="K", help="stage 3: gather for backward in K ranks")
+    # the presets (budget/predicted/zero_table.py's INTERCONNECTS), e.g. 10gbe: 10 Gb/s line rate (IEEE 802.3ae) = 1.25
+    # GB/s per direction, and 50 us per message: a small TCP message through two hosts' kernel stacks and a switch
+    # (netperf TCP_RR round trips on 10 GbE NICs measure tens of us); `local` measures this machine instead
     links = (*INTERCONNECTS, "local")
     p.add_argument("--interconnect", default="nvlink", choices=links, help="every link (default nvlink)")
     p.add_argument("--intra", choices=links, help="the link inside shard groups (default: --interconnect)")
@@ -292,14 +345,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--activation-checkpointing", action="store_true", help="plan with every unit's modules checkpointed"
     )
+    time_arguments(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
+
+
+def time_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the time per step (with --micro-batch-size and --seq-len)."""
+    p.add_argument(
+        "--flops",
+        type=flops,
+        help="FLOP/s the matmuls sustain, for the time per step (default: --device x --mfu), or"
+        " 'here': measured on this machine",
+    )
+    p.add_argument("--accumulate-grad-batches", type=int, default=1, metavar="M", help="micro-batches per step")
+    p.add_argument("--data-seconds", type=float, default=0.0, help="seconds per step waiting for data (default 0)")
 
 
 def _links(args: argparse.Namespace) -> tuple[Interconnect, Interconnect]:
     """(intra, inter): the named presets, ``local`` measured once here."""
     names = (args.intra or args.interconnect, args.inter or args.interconnect)
-    measured = measure_local_link() if "local" in names else None
+    measured = local_link() if "local" in names else None
     intra, inter = (measured if name == "local" else INTERCONNECTS[name] for name in names)
     return intra, inter
 
@@ -327,6 +393,8 @@ def _check_micro_batch(args: argparse.Namespace) -> None:
         raise ValueError("--micro-batch-size and --seq-len go together. HINT: give both, e.g. 4 and 2048.")
     if any(v is not None and v < 1 for v in traced):
         raise ValueError(f"--micro-batch-size and --seq-len must be >= 1, not {traced}.")
+    if args.accumulate_grad_batches < 1:
+        raise ValueError(f"--accumulate-grad-batches must be >= 1, not {args.accumulate_grad_batches}.")
     if args.micro_batch_size is not None and args.params is not None:
         raise ValueError(
             "--micro-batch-size traces the model's own forward: a parameter count has none. HINT: --model or --config."
@@ -335,8 +403,13 @@ def _check_micro_batch(args: argparse.Namespace) -> None:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """The plan the command line asks for. Raises ``ValueError`` naming the option on a bad one."""
+    return plan_and_setting(args)[0]
+
+
+def plan_and_setting(args: argparse.Namespace) -> tuple[Plan, TimedSetting | None]:
+    """The plan, and with a model and a micro-batch what its time per step is made from (nothing traced yet)."""
     _check_micro_batch(args)
-    intra, inter = _links(args)
+    intra, inter, timed = *_links(args), None
     if args.params is not None:
         config = _strategy_options({"stage": 3}, args)
         precision = args.precision or "bf16-mixed"
@@ -371,19 +444,38 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 args.mfu,
             )  # fmt: skip
             plan = add_activations(plan, setting, args.device_memory)
+            rate = preset_rate(args.device or "h100", args.mfu, None if args.flops == "here" else args.flops)
+            timed = TimedSetting(
+                model, config, args.world_size, precision, args.optimizer, intra, inter, rate, args.micro_batch_size,
+                args.seq_len, args.accumulate_grad_batches, args.ranks_per_node, args.data_seconds,
+            )  # fmt: skip
     if args.tokens_per_step and args.device:
         per_rank_tokens = args.tokens_per_step / args.world_size
         plan.compute_seconds = 6 * plan.params * per_rank_tokens / (DEVICES[args.device] * args.mfu)
-    return plan
+    return plan, timed
+
+
+def make_time(args: argparse.Namespace, plan: Plan, timed: TimedSetting | None) -> dict[str, Any]:
+    """The time per step (budget/predicted/plan_time.py), or without a traced model each collective's time."""
+    if timed is None:
+        return comm_only_time(plan, *_links(args))
+    if args.flops == "here":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = COMPUTE[timed.precision] or (torch.bfloat16 if timed.precision == "bf16-true" else torch.float32)
+        timed.rate = measure_rate(device, dtype, timed.compute().matmuls)
+    return plan_time(timed)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     try:
-        plan = make_plan(args)
+        plan, timed = plan_and_setting(args)
+        time = make_time(args, plan, timed)
     except ValueError as err:
         sys.exit(f"shardlab plan: error: {err}")
     if args.json:
-        print(json.dumps(asdict(plan), indent=1))
+        print(json.dumps({**asdict(plan), "time": time}, indent=1))
     else:
-        print_plan(plan, Console())
+        console = Console()
+        print_plan(plan, console)
+        print_time(time, console)

@@ -10,4 +10,9 @@ step_peak.py     the step's peak predicted for the run: its layout's state + its
 plan.py          the prediction for a run that has not happened: from a parameter count or a model's layout
 plan_whole.py    the plan of a whole-tensor optimizer: owners' state per rank (Muon beside AdamW), exchanges
 fits.py          the step's peak (state + the timeline's busiest moment): does it fit, and the cheapest change if not
+compute_trace.py one micro-batch's work by unit under fake tensors: FLOPs, memory-bound bytes, kernels; the optimizer's
+compute_rate.py  how fast a device works: given (a named device, --flops) or measured here (short probes, cached)
+step_time.py     seconds per optimizer step: the engine's schedule played on one compute stream and its links
+run_time.py      the time predicted for a run: its layout, mesh and first batch (what ShardLabBudget calls)
+plan_time.py     a plan's time per step, and the cheapest change that hides its communication
 """

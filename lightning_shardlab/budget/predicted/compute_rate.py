@@ -1,0 +1,144 @@
+"""How fast a device works: the rates that turn traced work (budget/predicted/compute_trace.py) into seconds.
+
+A ``ComputeRate`` prices the three counts of a ``Work``:
+
+    seconds = FLOPs / flops_per_second + bytes / bytes_per_second + kernels x seconds_per_op
+
+(a sum, not the roofline's max: a unit's matmuls and its memory-bound ops run one after the other).
+
+It is either **given** — a named device's dense peak (budget/predicted/zero_table.py's ``DEVICES``) x an efficiency
+(``shardlab plan``'s ``--mfu``), or a FLOP/s figure (``--flops``), with the device's memory bandwidth from its
+datasheet (``MEMORY_BANDWIDTH``) and no per-kernel cost (a GPU queues kernels ahead of the ones running) — or
+**measured** here (``measure_rate``), on the run's device at its thread count (``torch.get_num_threads()``):
+
+- matmuls: the traced model's own matmul shapes, the three that carry the most FLOPs, each timed on the device in
+  the compute dtype (rows cut down so that one call stays under ~0.4 GFLOP on a CPU, 1 TFLOP on a GPU); the
+  rate is their FLOPs over their summed time (a square 512 x 512 x 512 when nothing was traced);
+- memory bandwidth: a copy of 64 MiB (1 GiB on a GPU), bytes read + written over its time;
+- per kernel: an in-place add on one element, the fixed cost of a dispatch (and launch, on a GPU).
+
+Each probe runs a warm-up call, then repeats until ~50 ms have passed (at most 5 calls), and keeps the median.
+They are cached per process, by device, dtype, shape and thread count: a run or a plan pays them once (about
+0.3 s on one CPU core; ``measure_rate`` returns the seconds it spent as ``probe_seconds``).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lightning_shardlab.budget.predicted.compute_trace import Work
+from lightning_shardlab.budget.predicted.zero_table import DEVICES
+
+MEMORY_BANDWIDTH = {  # bytes per second of device memory, from each vendor's datasheet
+    "h100": 3.35e12,  # H100 SXM5 80 GB, HBM3 (NVIDIA H100 Tensor Core GPU datasheet)
+    "a100": 2.039e12,  # A100 80 GB SXM, HBM2e (NVIDIA A100 datasheet)
+    "h200": 4.8e12,  # H200 SXM 141 GB, HBM3e (NVIDIA H200 datasheet)
+    "l4": 300e9,  # L4 24 GB, GDDR6 (NVIDIA L4 datasheet)
+    "cpu-core": 10e9,  # one core's share of a DDR socket: an assumption; measure a CPU with `--flops here`
+}
+PROBE_FLOPS = {"cpu": 4e8, "cuda": 1e12}  # FLOPs: the most one timed matmul call may do
+PROBE_BYTES = {"cpu": 64 * 2**20, "cuda": 2**30}  # bytes: the copy timed for the memory bandwidth
+BUDGET = 0.05  # seconds: each probe repeats until this much has passed
+
+
+@dataclass(frozen=True)
+class ComputeRate:
+    """What a device sustains: FLOP/s on matmuls, bytes/s on memory-bound ops, seconds per kernel."""
+
+    name: str  # where the numbers come from, e.g. "h100 x 0.4" or "measured here: cpu, 1 thread, bfloat16"
+    flops_per_second: float  # FLOP/s
+    bytes_per_second: float  # bytes/s
+    seconds_per_op: float = 0.0  # seconds per kernel
+    device: str = "cuda"  # the device type the rate is for
+    probe_seconds: float = 0.0  # how long measuring took (0: given)
+
+    def seconds(self, work: Work) -> float:
+        """Seconds for ``work``: FLOPs at the matmul rate + bytes at the memory bandwidth + each kernel's cost."""
+        return work.flops / self.flops_per_second + work.bytes / self.bytes_per_second + work.ops * self.seconds_per_op
+
+
+def preset_rate(device: str, mfu: float = 0.4, flops: float | None = None) -> ComputeRate:
+    """A named device (``DEVICES``): its dense peak x ``mfu``, or ``flops`` FLOP/s given; its datasheet bandwidth.
+    ``ValueError`` naming the option for an unknown device or a rate that is not positive."""
+    if device not in DEVICES:
+        raise ValueError(f"--device {device!r} is not known. HINT: one of {', '.join(DEVICES)}.")
+    if flops is not None and flops <= 0 or not 0 < mfu <= 1:
+        raise ValueError(f"--flops must be > 0 and --mfu in (0, 1], not {flops} and {mfu}.")
+    name = f"given: {flops:.3g} FLOP/s" if flops is not None else f"{device} peak {DEVICES[device]:.3g} x {mfu:g}"
+    kind = "cpu" if device.startswith("cpu") else "cuda"
+    rate = flops if flops is not None else DEVICES[device] * mfu
+    return ComputeRate(f"{name}, {MEMORY_BANDWIDTH[device] / 1e9:,.0f} GB/s", rate, MEMORY_BANDWIDTH[device], 0.0, kind)
+
+
+# ---- measured ----
+
+
+def _median_seconds(call: Callable[[], object], device: torch.device) -> float:
+    """Median seconds of ``call()`` after a warm-up, repeated until ``BUDGET`` seconds pass (at most 5 calls)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    call()
+    sync(device)
+    samples: list[float] = []
+    began = time.perf_counter()
+    while len(samples) < 5 and (not samples or time.perf_counter() - began < BUDGET):
+        start = time.perf_counter()
+        call()
+        sync(device)
+        samples.append(time.perf_counter() - start)
+    return max(statistics.median(samples), 1e-9)
+
+
+@functools.cache
+def matmul_rate(shape: tuple[int, int, int, int], dtype: torch.dtype, device: str, threads: int) -> float:
+    """FLOP/s of a (batch, m, k, n) matmul on ``device`` in ``dtype`` (m cut down to keep one call short)."""
+    dev = torch.device(device)
+    batch, m, k, n = shape
+    m = max(1, min(m, int(PROBE_FLOPS[dev.type] / (2 * batch * k * n))))
+    lhs = torch.randn(batch, m, k, device=dev).to(dtype)
+    rhs = torch.randn(batch, k, n, device=dev).to(dtype)
+    seconds = _median_seconds(lambda: torch.bmm(lhs, rhs) if batch > 1 else lhs[0] @ rhs[0], dev)
+    return 2.0 * batch * m * k * n / seconds
+
+
+@functools.cache
+def memory_bandwidth(device: str, threads: int) -> float:
+    """Bytes/s of a copy on ``device``: read + written."""
+    dev = torch.device(device)
+    source = torch.empty(PROBE_BYTES[dev.type] // 4, device=dev).fill_(1.0)
+    target = torch.empty_like(source)
+    return 2.0 * PROBE_BYTES[dev.type] / _median_seconds(lambda: target.copy_(source), dev)
+
+
+@functools.cache
+def seconds_per_op(device: str, threads: int) -> float:
+    """Seconds of one tiny kernel on ``device`` (dispatch, and launch on a GPU): 100 in-place adds, timed."""
+    dev = torch.device(device)
+    x = torch.zeros(1, device=dev)
+
+    def adds() -> None:
+        for _ in range(100):
+            x.add_(1.0)
+
+    return _median_seconds(adds, dev) / 100
+
+
+def measure_rate(
+    device: torch.device | str, dtype: torch.dtype, matmuls: dict[tuple[int, int, int, int], float] | None = None
+) -> ComputeRate:
+    """The rates measured on ``device`` at this process's thread count: the heaviest of ``matmuls`` ((batch, m, k, n)
+    -> FLOPs, from a trace) in ``dtype``, a copy's bandwidth, a tiny kernel's cost. Cached per process."""
+    dev, threads, began = torch.device(device), torch.get_num_threads(), time.perf_counter()
+    heaviest = sorted((matmuls or {}).items(), key=lambda kv: -kv[1])[:3] or [((1, 512, 512, 512), 1.0)]
+    seconds = sum(flops / matmul_rate(shape, dtype, str(dev), threads) for shape, flops in heaviest)
+    rate = sum(flops for _, flops in heaviest) / seconds
+    bandwidth, per_op = memory_bandwidth(str(dev), threads), seconds_per_op(str(dev), threads)
+    name = (
+        f"measured here: {dev.type}, {threads} thread{'s' if threads > 1 else ''}, {str(dtype).removeprefix('torch.')}"
+    )
+    return ComputeRate(name, rate, bandwidth, per_op, dev.type, time.perf_counter() - began)

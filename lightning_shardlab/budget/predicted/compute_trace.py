@@ -1,0 +1,339 @@
+"""The work of one micro-batch, by unit, traced under fake tensors: FLOPs, memory-bound bytes and kernels.
+
+The time model (budget/predicted/step_time.py) turns work into seconds; this file only counts. One training forward of
+a model built on the meta device (the LightningModule's ``training_step``, else ``forward`` and a loss; as
+budget/predicted/activation_trace.py runs it: its parameters fake, in the compute dtype, autocast under mixed
+precision) runs under ``FakeTensorMode`` — shapes only, nothing allocated — with two counters:
+
+- **FLOPs**: torch's ``FlopCounterMode`` (torch/utils/flop_counter.py): 2 m k n per matmul (mm, addmm, bmm,
+  baddbmm), convolutions, and attention (4 B H T T d for the two matmuls of scaled-dot-product attention, the CPU's
+  flash kernel counted with torch's formula for the others: causal masking not subtracted, as torch's note says);
+- **bytes and kernels**: every other op that makes a tensor (norms, activations, residual adds, softmax, casts, the
+  loss) is memory-bound, so what it costs is the bytes it moves: its outputs written, and each tensor input read up
+  to the size of its largest output (an embedding reads the rows it gathers, not the table). Views and
+  allocations move nothing and are not kernels. Every kernel (matmuls too) is counted, for its fixed cost.
+
+Each count is charged to the unit whose forward is running (forward hooks on the units' modules, the units of
+sharding/policy.py; outside all of them, the root), and to ``recompute`` too when it runs inside a module under
+activation checkpointing (its forward runs again in backward). The root's share before the first unit runs
+(embeddings) is kept apart as ``lead``: its backward comes last. The matmuls' shapes are kept, so that a throughput
+probe can time the shapes this model runs (budget/predicted/compute_rate.py).
+
+Backward is not traced: the time model takes it as twice the forward (a matmul's backward is two matmuls of the
+same size, the gradients of its input and of its weight).
+
+The optimizer's step is counted the same way (``optimizer_work``): the run's optimizer class (or the plan's),
+stepped twice on fake 1-D masters of this rank's slices — the second step, its state made, is the one counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.optim import Optimizer
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
+
+from lightning_shardlab.budget.measured.activations import ROOT
+from lightning_shardlab.budget.predicted.activation_trace import (
+    Step,
+    computing,
+    fake_parameters,
+    forward_step,
+    lightning_step,
+    token_batch,
+    unit_members,
+)
+from lightning_shardlab.core.config import ShardLabConfig
+from lightning_shardlab.sharding.checkpointing import chosen_modules
+from lightning_shardlab.sharding.flat_param import FlatParamLayout
+from lightning_shardlab.sharding.policy import choose_units
+
+aten = torch.ops.aten
+CPU_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu  # not in torch's flop registry
+MATMULS = {aten.mm: (0, 1), aten.addmm: (1, 2), aten.bmm: (0, 1), aten.baddbmm: (1, 2)}  # (lhs, rhs) arguments
+NO_WORK = {aten._unsafe_view, aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty}  # nothing moves
+
+
+@dataclass(frozen=True)
+class Work:
+    """What some ops cost, in the three quantities the time model prices."""
+
+    flops: float = 0.0  # FLOPs of the matmul-like ops (torch's flop counter)
+    bytes: float = 0.0  # bytes the other ops read and write (memory-bound)
+    ops: float = 0.0  # kernels run, each with a fixed cost (dispatch, launch)
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.flops + other.flops, self.bytes + other.bytes, self.ops + other.ops)
+
+    def __sub__(self, other: Work) -> Work:
+        return Work(self.flops - other.flops, self.bytes - other.bytes, self.ops - other.ops)
+
+    def scaled(self, k: float) -> Work:
+        return Work(self.flops * k, self.bytes * k, self.ops * k)
+
+
+@dataclass(frozen=True)
+class UnitWork:
+    """One unit's work per micro-batch."""
+
+    forward: Work = Work()
+    recompute: Work = Work()  # the forward of its checkpointed modules, run again in backward
+    lead: Work = Work()  # the root only: its forward before the first unit runs (the rest runs after the units)
+
+    @property
+    def backward(self) -> Work:
+        """Twice the forward (a matmul's backward: the gradients of its input and of its weight), + the recompute."""
+        return self.forward.scaled(2) + self.recompute
+
+
+@dataclass
+class ComputeTrace:
+    """One micro-batch's work by unit (the root first, then the units in the order their forward ran)."""
+
+    by_unit: dict[str, UnitWork] = field(default_factory=dict)
+    matmuls: dict[tuple[int, int, int, int], float] = field(default_factory=dict)  # (batch, m, k, n) -> FLOPs
+    seconds: float = 0.0  # how long the trace took
+    error: str | None = None  # why there is no trace
+
+    def flops(self) -> dict[str, float]:
+        """Forward FLOPs per unit."""
+        return {name: work.forward.flops for name, work in self.by_unit.items()}
+
+    @staticmethod
+    def of_flops(flops: dict[str, float]) -> ComputeTrace:
+        """From forward FLOPs per unit alone (no memory-bound bytes, no kernels)."""
+        return ComputeTrace({name: UnitWork(Work(flops=f)) for name, f in flops.items()})
+
+    def fields(self) -> dict[str, Any]:
+        units = {name: {k: dataclasses.asdict(getattr(w, k)) for k in ("forward", "recompute", "lead")}
+                 for name, w in self.by_unit.items()}  # fmt: skip
+        return {"by_unit": units, "seconds": self.seconds, "error": self.error}
+
+
+# ---- counting ----
+
+
+def _attention_flops(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class WorkMode(TorchDispatchMode):
+    """Counts the memory-bound bytes and the kernels of the ops under it, and the matmuls' shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0  # bytes
+        self.ops = 0  # kernels
+        self.matmuls: dict[tuple[int, int, int, int], float] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        outputs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+        packet = getattr(func, "overloadpacket", func)  # a higher-order op has no packet, and is no view
+        if not outputs or getattr(func, "is_view", False) or packet in NO_WORK:
+            return out
+        self.ops += 1
+        if packet in MATMULS:
+            self._matmul(args[MATMULS[packet][0]].shape, args[MATMULS[packet][1]].shape)
+        elif packet not in flop_registry and packet is not CPU_ATTENTION:
+            largest = max(_nbytes(t) for t in outputs)
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+            self.bytes += sum(_nbytes(t) for t in outputs) + sum(min(_nbytes(t), largest) for t in inputs)
+        return out
+
+    def _matmul(self, lhs: torch.Size, rhs: torch.Size) -> None:
+        batch = lhs[0] if len(lhs) == 3 else 1
+        key = (batch, lhs[-2], lhs[-1], rhs[-1])  # (batch, m, k, n)
+        self.matmuls[key] = self.matmuls.get(key, 0.0) + 2.0 * batch * lhs[-2] * lhs[-1] * rhs[-1]
+
+
+class _ByUnit:
+    """Charges the counters' growth between two module boundaries to the unit running then."""
+
+    def __init__(self, read: Callable[[], Work]) -> None:
+        self.read, self.last = read, Work()
+        self.running: list[str] = []  # the units whose forward runs, innermost last
+        self.checkpointed = 0  # depth inside checkpointed modules
+        self.forward: dict[str, Work] = {}
+        self.recompute: dict[str, Work] = {}
+        self.lead = Work()
+        self.order: list[str] = []  # the units in the order their forward first ran
+
+    def mark(self) -> None:
+        now = self.read()
+        delta, self.last = now - self.last, now
+        unit = self.running[-1] if self.running else ROOT
+        self.forward[unit] = self.forward.get(unit, Work()) + delta
+        if self.checkpointed:
+            self.recompute[unit] = self.recompute.get(unit, Work()) + delta
+        if unit == ROOT and not self.order:
+            self.lead = self.lead + delta
+
+    def hook(self, model: nn.Module, config: ShardLabConfig) -> list[Any]:
+        """Forward hooks on the units' modules and on the checkpointed ones; returns their handles."""
+        choice = choose_units(model, config)
+        handles = []
+        for path in choice.paths[1:]:
+            for member in choice.modules_of(path):
+                module = model.get_submodule(member)
+                handles.append(module.register_forward_pre_hook(lambda *_, p=path: self._enter(p)))
+                handles.append(module.register_forward_hook(lambda *_: self._leave()))
+        names = chosen_modules(model, config.activation_checkpointing, unit_members(choice), warn=False)
+        for name in names if config.activation_checkpointing else []:
+            module = model.get_submodule(name)
+            handles.append(module.register_forward_pre_hook(lambda *_: self._checkpointed(+1)))
+            handles.append(module.register_forward_hook(lambda *_: self._checkpointed(-1)))
+        return handles
+
+    def _enter(self, path: str) -> None:
+        self.mark()
+        self.running.append(path)
+        if path not in self.order:
+            self.order.append(path)
+
+    def _leave(self) -> None:
+        self.mark()
+        self.running.pop()
+
+    def _checkpointed(self, step: int) -> None:
+        self.mark()
+        self.checkpointed += step
+
+    def trace(self, matmuls: dict, seconds: float) -> ComputeTrace:
+        self.mark()
+        units = [ROOT, *self.order]
+        by_unit = {name: UnitWork(self.forward.get(name, Work()), self.recompute.get(name, Work())) for name in units}
+        by_unit[ROOT] = dataclasses.replace(by_unit[ROOT], lead=self.lead)
+        return ComputeTrace(by_unit, dict(matmuls), seconds)
+
+
+# ---- the traces ----
+
+
+def trace_compute(
+    model: nn.Module, make_batch: Callable[[], Any], steps: list[Step], precision: str, config: ShardLabConfig
+) -> ComputeTrace:
+    """One micro-batch of ``model`` (its tensors are not read) through the first of ``steps`` that runs under fake
+    tensors, its work counted by unit of ``config``'s policy; ``make_batch()`` runs inside the fake mode. A model that
+    does not run gives a trace whose ``error`` says why."""
+    began, errors = time.perf_counter(), []
+    modes = {m: m.training for m in model.modules()}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model.train()
+    try:
+        with fake_parameters(model, mode, precision):
+            for step in steps:
+                try:
+                    return _traced(model, make_batch, step, precision, config, mode, began)
+                except Exception as err:  # noqa: BLE001 - the next way to run it, or the error below
+                    errors.append(f"{getattr(step, '__name__', step)}: {type(err).__name__}: {err}")
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    return ComputeTrace(seconds=time.perf_counter() - began, error="; ".join(errors))
+
+
+def _traced(
+    model: nn.Module,
+    make_batch: Callable[[], Any],
+    step: Step,
+    precision: str,
+    config: ShardLabConfig,
+    mode: FakeTensorMode,
+    began: float,
+) -> ComputeTrace:
+    flops = FlopCounterMode(display=False, custom_mapping={CPU_ATTENTION: _attention_flops})
+    work = WorkMode()
+    units = _ByUnit(lambda: Work(float(flops.get_total_flops()), float(work.bytes), float(work.ops)))
+    handles = units.hook(model, config)
+    try:
+        with mode, torch.enable_grad(), computing(precision):
+            batch = make_batch()
+            with flops, work:
+                units.last = units.read()
+                step(model, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return units.trace(work.matmuls, time.perf_counter() - began)
+
+
+def _steps(model: nn.Module) -> list[Step]:
+    from lightning.pytorch import LightningModule
+
+    own = isinstance(model, LightningModule) and type(model).training_step is not LightningModule.training_step
+    return [lightning_step, forward_step] if own else [forward_step]
+
+
+def unit_flops_for_batch(clone: nn.Module, batch: Any, config: ShardLabConfig, precision: str) -> ComputeTrace:
+    """The run's first batch (only its shapes and dtypes matter) through ``clone`` (budget/predicted/
+    activation_prediction.py's ``meta_clone`` of the module, taken before sharding): its work per micro-batch by unit of
+    the run's own units. ``.flops()`` gives the forward FLOPs per unit; ``.error`` says why when it did not run."""
+
+    def same_batch() -> Any:
+        return tree_map(lambda t: torch.empty_like(t, device="cpu") if isinstance(t, Tensor) else t, batch)
+
+    return trace_compute(clone, same_batch, _steps(clone), precision, config)
+
+
+def trace_plan_compute(
+    model: nn.Module, micro_batch_size: int, seq_len: int, precision: str, config: ShardLabConfig
+) -> ComputeTrace:
+    """A plan's micro-batch of token ids (``micro_batch_size`` x ``seq_len``) through a meta-device model."""
+    return trace_compute(model, lambda: token_batch(model, micro_batch_size, seq_len), _steps(model), precision, config)
+
+
+# ---- the optimizer's step ----
+
+
+def master_sizes(layouts: list[FlatParamLayout], rank: int = 0) -> list[tuple[int, torch.dtype]]:
+    """The 1-D master views ``rank`` steps (sharding/optimizer.py): each trained parameter's part of its shard."""
+    sizes = []
+    for lay in layouts:
+        for slot in lay.slots if lay.requires_grad else ():
+            lo, hi = lay.slot_in_shard(slot, rank)
+            if hi > lo:
+                sizes.append((hi - lo, lay.dtype))
+    return sizes
+
+
+def optimizer_work(cls: type[Optimizer], options: dict[str, Any], sizes: list[tuple[int, torch.dtype]]) -> Work:
+    """The bytes and kernels of one step of ``cls`` (with ``options``) over fake 1-D masters of ``sizes``: its second
+    step (the first makes the state, as a run's first step did)."""
+    if not sizes:
+        return Work()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fakes = [nn.Parameter(torch.empty(n, dtype=dtype, device="cpu")) for n, dtype in sizes]
+        for fake in fakes:
+            fake.grad = torch.zeros_like(fake)
+    stand_in = cls([{**options, "params": fakes}])
+    with mode:
+        stand_in.step()
+        with WorkMode() as counted:
+            stand_in.step()
+    return Work(0.0, float(counted.bytes), float(counted.ops))
+
+
+def precision_copies(layouts: list[FlatParamLayout], compute_itemsize: Callable[[FlatParamLayout], int]) -> Work:
+    """Mixed precision around the update: each grad shard read and written as an fp32 copy for the optimizer, and each
+    compute shard rewritten from its master after it (sharding/gradients.py, ``FlatParam.shard_from_master``)."""
+    nbytes = 0.0
+    for lay in layouts:
+        c, m = compute_itemsize(lay), lay.dtype.itemsize
+        if lay.requires_grad and c != m:
+            nbytes += 2 * (c + m) * lay.shard_numel  # bytes: grad c -> m, then master m -> compute c
+    return Work(0.0, nbytes, 2.0 * sum(1 for lay in layouts if lay.requires_grad) if nbytes else 0.0)

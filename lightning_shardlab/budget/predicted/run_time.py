@@ -1,0 +1,110 @@
+"""The time predicted for a run: its own layout, schedule and first batch, at the end of fit (``ShardLabBudget``).
+
+``time_predicted_for_run`` reads what the run is — its units in the order their forward ran, their flat parameters'
+layouts, its mesh (shard groups, replicas, reshard groups) and options, its optimizer's class — and plays one
+optimizer step on the engine's schedule (budget/predicted/step_time.py), the first batch's work traced through the
+budget's meta copy of the module (budget/predicted/compute_trace.py, ``unit_flops_for_batch``). It adds no collective
+and reads no clock of the run: the link is given, or measured once per process by two gloo ranks of its own
+(comm/link_probe.py; a GPU run takes the NVLink preset unless given one), and the compute rate is given, or measured
+once per process on the run's device (budget/predicted/compute_rate.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_shardlab.budget.measured.local_link import measure_local_link
+from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, measure_rate
+from lightning_shardlab.budget.predicted.compute_trace import (
+    ComputeTrace,
+    Work,
+    master_sizes,
+    optimizer_work,
+    precision_copies,
+)
+from lightning_shardlab.budget.predicted.step_time import Links, basis, predict_step_time
+from lightning_shardlab.budget.predicted.zero_table import INTERCONNECTS, Interconnect
+from lightning_shardlab.sharding.flat_param import FlatParamLayout
+from lightning_shardlab.sharding.sharded_model import ShardedModel
+
+
+@functools.cache
+def local_link() -> Interconnect:
+    """This machine's link between two gloo ranks (comm/link_probe.py), measured once per process."""
+    return measure_local_link()
+
+
+def default_link(device: torch.device) -> Interconnect:
+    """A CPU run's link: measured here (two gloo ranks, once per process); a GPU run's: the NVLink preset."""
+    return local_link() if device.type == "cpu" else INTERCONNECTS["nvlink"]
+
+
+def run_optimizer_work(
+    sharded: ShardedModel, optimizers: list[Optimizer] | None, layouts: list[FlatParamLayout]
+) -> tuple[Work, str]:
+    """One optimizer step of this rank (the run's first optimizer's class and options, else AdamW), with the
+    precision copies around it; and the class's name."""
+    cls, options = torch.optim.AdamW, {}
+    first = optimizers[0] if optimizers else None
+    if first is not None and not getattr(first, "_shardlab_whole", False):  # a whole-tensor one: AdamW's bytes
+        known = [c for c in type(first).__mro__ if c.__module__.startswith("torch.optim")]  # under Chunked<Class>
+        cls = next((c for c in known if c is not Optimizer), torch.optim.AdamW)
+        group = first.param_groups[0] if first.param_groups else {}
+        options = {k: v for k, v in group.items() if k not in ("params", "initial_lr")}
+    if not options.get("fused"):
+        options["foreach"] = sharded.comm.device.type == "cuda"  # torch's default path on each device
+    sizes = master_sizes(layouts, sharded.mesh.shard.rank)
+    try:
+        work = optimizer_work(cls, options, sizes)
+    except Exception:  # noqa: BLE001 - options the fakes refuse (capturable, fused on another device): AdamW's
+        cls, options = torch.optim.AdamW, {"foreach": sharded.comm.device.type == "cuda"}
+        work = optimizer_work(cls, options, sizes)
+    copies = precision_copies(layouts, lambda lay: sharded.policy.compute_for(lay.dtype).itemsize)
+    return work + copies, cls.__name__
+
+
+def time_predicted_for_run(
+    sharded: ShardedModel,
+    unit_flops: ComputeTrace | dict[str, float] | None,
+    micro_batches: int,
+    precision: str,
+    *,
+    link: Interconnect | None = None,
+    inter: Interconnect | None = None,
+    rate: ComputeRate | None = None,
+    optimizers: list[Optimizer] | None = None,
+    data_seconds: float = 0.0,
+) -> dict[str, Any]:
+    """This rank's seconds per optimizer step predicted (``predict_step_time``), for a run: its units in the order
+    they ran, its layouts, mesh and options; ``unit_flops`` its first batch's work (compute_trace.py's
+    ``unit_flops_for_batch``, or forward FLOPs per unit); ``link`` (default: ``default_link``; ``inter`` across
+    shard groups, default ``link``) and ``rate`` (default: measured on the run's device, cached). ``{"error": why}``
+    when there is nothing to predict from. Adds no collective: call it on any rank, at any time."""
+    compute = ComputeTrace.of_flops(unit_flops) if isinstance(unit_flops, dict) else unit_flops
+    if compute is None or compute.error:
+        why = compute.error if compute is not None else "the first batch was not traced"
+        return {"error": f"[rank {sharded.comm.rank}] no compute to time: {why}. HINT: see activations_predicted."}
+    device, mesh = sharded.comm.device, sharded.mesh
+    alone = mesh.shard.world_size == 1 and mesh.replica.world_size == 1  # nothing crosses a link
+    try:
+        link = link or (Interconnect("none: one rank", float("inf"), 0.0) if alone else default_link(device))
+    except Exception as err:  # noqa: BLE001 - a prediction says why it is missing; it never stops the run
+        return {
+            "error": f"[rank {sharded.comm.rank}] the link probe failed: {err}. HINT: pass link=INTERCONNECTS[...]."
+        }
+    units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.forward_order}
+    layouts = [lay for lays in units.values() for lay in lays]
+    dtype = sharded.policy.compute_dtype or (layouts[0].dtype if layouts else torch.float32)
+    rate = rate or measure_rate(device, dtype, compute.matmuls)
+    links = Links(link, inter or link, mesh.replica.world_size, mesh.reshard.world_size if mesh.regrouped else None)
+    work, name = run_optimizer_work(sharded, optimizers, layouts)
+    out = predict_step_time(
+        units, compute, rate, sharded.config, sharded.policy, links,
+        micro_batches=micro_batches, optimizer=work, data_seconds=data_seconds,
+    )  # fmt: skip
+    out["basis"] = basis(rate, links, micro_batches, precision, name)
+    return out

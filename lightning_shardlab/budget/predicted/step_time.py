@@ -1,0 +1,373 @@
+"""Where the time goes, predicted: seconds per optimizer step, from the layout, the traced work and the links.
+
+The step is played on two clocks, as the engine runs it (sharding/sharded_model.py): one compute stream, and each
+link a first-in-first-out queue of collectives (a process group runs its collectives in order: NCCL on one stream,
+gloo on its queue). A collective launched at time t starts when its link is free, and a wait blocks compute until
+it ends; what the waits block is ``comm_exposed``, by the kind of collective waited for. Then, seconds per step:
+
+    step        = forward + backward + optimizer + data + comm_exposed + waiting_for_ranks
+    comm_hidden = sum of every collective's time on the wire - comm_exposed   (in flight while computing)
+
+and by collective kind its seconds on the wire, ``exposed``, ``hidden`` and ``in_flight`` (each call from its launch to
+its end, queued behind others included: what a clock at the engine's seams sees as in flight, budget/measured/).
+
+- **a collective**: the ring lower bound on its link (budget/predicted/zero_table.py's ``Interconnect``): an
+  all-gather or reduce-scatter of a full tensor of b bytes over N ranks takes (N-1)/N b / bandwidth + (N-1) latency;
+  the all-reduce of a gradient shard across R replicas 2 (R-1)/R b / bandwidth + 2 (R-1) latency. One call per
+  flat parameter, sized from its layout as ``predict_traffic`` counts it (compute dtype gathered; reduce dtype
+  reduced). Gathers and reduce-scatters run on the link inside the shard group (the reshard group's gathers too),
+  the all-reduces across replicas on the link across groups; the two links run side by side.
+- **compute**: each unit's traced work of one micro-batch (budget/predicted/compute_trace.py) at a rate
+  (budget/predicted/compute_rate.py): forward = FLOPs / FLOP/s + memory-bound bytes / bandwidth + kernels x cost
+  per kernel; backward = 2 x forward (+ one more forward of its checkpointed modules under activation
+  checkpointing). The root's forward runs before the units (its ``lead``: embeddings) and after them (head, loss);
+  its backward in the reverse order.
+- **optimizer**: the bytes the optimizer's own kernels read and write in one step over this rank's 1-D masters
+  (traced: its class stepped on fakes) + the fp32 gradient copies and the compute shards' refresh under mixed
+  precision, at the memory bandwidth, + each kernel's cost.
+- ``data``: 0 unless given; ``waiting_for_ranks``: 0 (the ranks are taken to be equal).
+
+The schedule, per micro-batch (``micro_batches`` of them per optimizer step; forward order = the units' order):
+
+- stage 3, forward: the first unit's all-gather is launched as the step begins and the root's is waited for at once
+  (both exposed); at unit k's pre-forward its gather is waited for and unit k+1's launched (prefetch), so unit k+1's
+  gather is exposed by max(0, gather(k+1) - compute(k)) when nothing else is queued. The unit that runs forward
+  last stays gathered for backward; with ``reshard_after_forward=False`` every unit does; with k its backward
+  gather runs in the reshard group of k ranks (a ring of k).
+- stage 3, backward: at unit k's pre-backward its gather is waited for and unit k-1's launched; at its post-backward
+  the reduce-scatter in flight (unit k+1's) is waited for (``MAX_REDUCTIONS_IN_FLIGHT`` = 1; hybrid: its all-reduce
+  across replicas is launched then) and unit k's launched, so it flies while unit k-1 computes. At the end of
+  backward the root's reduce-scatter is launched and every reduction waited for (the last one exposed).
+- stage 2: parameters resident (no gathers); the same reduce-scatters per unit during backward. Stage 1: every
+  reduce-scatter at the end of backward, all in flight at once, all exposed. Both: after the optimizer step every
+  trained flat parameter is all-gathered again from the new shards and waited for (``refresh``: exposed).
+- gradient accumulation: each micro-batch gathers again; with ``accumulation="reduce"`` each reduces, with
+  ``"defer"`` only the last.
+
+What it leaves out: the small collectives (the agreement on unused parameters, clipping's norm, metrics), the
+all-to-alls of whole-tensor optimizers, offload's host transfers, kernels that run beside a collective slowing
+each other (they share memory bandwidth and, on a GPU, streaming multiprocessors), and ranks that differ (a slower
+rank makes the others wait: ``waiting_for_ranks`` measured, never predicted). Backward as 2 x forward undercounts
+attention's backward (2.5 x) and counts an embedding's as memory-bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_shardlab.budget.measured.activations import ROOT
+from lightning_shardlab.budget.predicted.compute_rate import ComputeRate
+from lightning_shardlab.budget.predicted.compute_trace import (
+    ComputeTrace,
+    UnitWork,
+    Work,
+)
+from lightning_shardlab.budget.predicted.zero_table import Interconnect, Traffic
+from lightning_shardlab.core.config import Accumulation, PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.sharding.flat_param import FlatParamLayout
+from lightning_shardlab.sharding.sharded_model import MAX_REDUCTIONS_IN_FLIGHT
+
+PARTS = ("forward", "backward", "optimizer", "data", "comm_exposed", "waiting_for_ranks")  # they add up to the step
+INTRA, INTER = "intra", "inter"  # the link inside shard groups, the link across them
+
+
+@dataclass(frozen=True)
+class UnitTimes:
+    """One unit's seconds per micro-batch: its compute, and its collectives on the wire (0: none)."""
+
+    name: str
+    forward: float = 0.0
+    backward: float = 0.0
+    lead_forward: float = 0.0  # the root: its forward before the first unit (its backward: 2 x, at the end)
+    gather: float = 0.0  # stage 3: all-gather in the shard group
+    regather: float = 0.0  # stage 3: backward all-gather (in the reshard group with reshard_after_forward=k)
+    reduce: float = 0.0  # reduce-scatter of its gradients
+    across: float = 0.0  # hybrid: all-reduce of its gradient shards across the replicas
+    refresh: float = 0.0  # stages 1-2: all-gather after the optimizer step
+
+
+class Timeline:
+    """One compute stream and first-in-first-out links: each wait advances the clock to the collective's end."""
+
+    def __init__(self) -> None:
+        self.now = 0.0  # seconds
+        self.free: dict[str, float] = {}  # link -> when it is next free
+        self.pending: dict[tuple[str, str], tuple[float, str]] = {}  # (what, unit) -> (when it ends, kind)
+        self.wire: dict[str, float] = {}  # kind -> seconds on the wire
+        self.exposed: dict[str, float] = {}  # kind -> seconds compute waited for it
+        self.in_flight: dict[str, float] = {}  # kind -> seconds from each launch to its end (queued behind others too)
+
+    def compute(self, seconds: float) -> None:
+        self.now += seconds
+
+    def launch(self, key: tuple[str, str], kind: str, link: str, seconds: float) -> None:
+        if seconds <= 0 or key in self.pending:
+            return
+        start = max(self.now, self.free.get(link, 0.0))
+        self.free[link] = start + seconds
+        self.pending[key] = (start + seconds, kind)
+        self.wire[kind] = self.wire.get(kind, 0.0) + seconds
+        self.in_flight[kind] = self.in_flight.get(kind, 0.0) + start + seconds - self.now
+
+    def wait(self, key: tuple[str, str]) -> None:
+        end, kind = self.pending.pop(key, (0.0, ""))
+        if end > self.now:
+            self.exposed[kind] = self.exposed.get(kind, 0.0) + end - self.now
+            self.now = end
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What decides the engine's order: the stage, resharding, accumulation, and how far gathers run ahead."""
+
+    stage: Stage
+    reshard_after_forward: bool = True
+    defer: bool = False  # accumulation="defer": only the last micro-batch reduces
+    prefetch: int = 1  # units gathered ahead (the engine: 1)
+
+
+# ---- one micro-batch ----
+
+
+def _gather(line: Timeline, unit: UnitTimes, seconds: float, started: set[str]) -> None:
+    if unit.name not in started:
+        started.add(unit.name)
+        line.launch(("gather", unit.name), "all_gather", INTRA, seconds)
+
+
+def _forward(line: Timeline, root: UnitTimes, units: list[UnitTimes], plan: Schedule) -> None:
+    """The root held for the step; each unit gathered, the next ``prefetch`` launched behind it; stage 3 only."""
+    gathers, started = plan.stage is Stage.PARAMETERS, set()
+    if gathers:
+        for unit in units[: plan.prefetch]:
+            _gather(line, unit, unit.gather, started)
+        _gather(line, root, root.gather, started)
+        line.wait(("gather", ROOT))
+    line.compute(root.lead_forward)
+    for i, unit in enumerate(units):
+        if gathers:
+            _gather(line, unit, unit.gather, started)
+            line.wait(("gather", unit.name))
+            for ahead in units[i + 1 : i + 1 + plan.prefetch]:
+                _gather(line, ahead, ahead.gather, started)
+        line.compute(unit.forward)
+    line.compute(root.forward - root.lead_forward)
+
+
+def _reduce(line: Timeline, unit: UnitTimes, in_flight: list[UnitTimes], limit: int) -> None:
+    """Wait for the oldest reductions beyond ``limit`` (hybrid: launch their all-reduces), launch ``unit``'s."""
+    while len(in_flight) >= limit:
+        done = in_flight.pop(0)
+        line.wait(("reduce", done.name))
+        line.launch(("across", done.name), "all_reduce", INTER, done.across)
+    if unit.reduce or unit.across:
+        line.launch(("reduce", unit.name), "reduce_scatter", INTRA, unit.reduce)
+        in_flight.append(unit)
+
+
+def _backward(line: Timeline, root: UnitTimes, units: list[UnitTimes], plan: Schedule, reduce: bool) -> None:
+    """Units in reverse; each gathered again unless it stayed gathered, the one before it prefetched; reductions
+    one in flight (stage 2-3) or all at the end (stage 1); at the end every reduction waited for."""
+    order, started, in_flight = units[::-1], set(), []
+    regathers = plan.stage is Stage.PARAMETERS and bool(plan.reshard_after_forward)
+    needs = {u.name: regathers and u is not units[-1] for u in units}
+    line.compute(root.backward - 2 * root.lead_forward)
+    for i, unit in enumerate(order):
+        if needs[unit.name]:
+            _gather(line, unit, unit.regather, started)
+            line.wait(("gather", unit.name))
+        for ahead in (u for u in order[i + 1 : i + 1 + plan.prefetch] if needs[u.name]):
+            _gather(line, ahead, ahead.regather, started)
+        line.compute(unit.backward)
+        if reduce and plan.stage >= Stage.GRADIENTS:
+            _reduce(line, unit, in_flight, MAX_REDUCTIONS_IN_FLIGHT)
+    line.compute(2 * root.lead_forward)
+    if reduce:
+        _finish_backward(line, root, units, plan, in_flight)
+
+
+def _finish_backward(
+    line: Timeline, root: UnitTimes, units: list[UnitTimes], plan: Schedule, in_flight: list[UnitTimes]
+) -> None:
+    """ShardedModel._finish_backward: the pending units reduced (stage 1: all), then each waited for in order."""
+    pending = [*units[::-1], root] if plan.stage is Stage.OPTIMIZER else [root]
+    limit = len(units) + 1 if plan.stage is Stage.OPTIMIZER else MAX_REDUCTIONS_IN_FLIGHT
+    for unit in pending:
+        _reduce(line, unit, in_flight, limit)
+    flying = {unit.name for unit in in_flight}
+    for unit in [root, *units]:
+        if unit.name in flying:
+            line.wait(("reduce", unit.name))
+            line.launch(("across", unit.name), "all_reduce", INTER, unit.across)
+        line.wait(("across", unit.name))
+    in_flight.clear()
+
+
+def play(
+    root: UnitTimes,
+    units: list[UnitTimes],
+    plan: Schedule,
+    micro_batches: int = 1,
+    optimizer: float = 0.0,
+    data: float = 0.0,
+) -> Timeline:
+    """One optimizer step on the engine's schedule: data, each micro-batch's forward and backward, the optimizer,
+    and at stages 1-2 the refresh of every resident unit (launched together, waited for)."""
+    line = Timeline()
+    line.compute(data)
+    for i in range(micro_batches):
+        _forward(line, root, units, plan)
+        _backward(line, root, units, plan, reduce=not plan.defer or i == micro_batches - 1)
+    line.compute(optimizer)
+    if plan.stage is not Stage.PARAMETERS:
+        for unit in [root, *units]:
+            line.launch(("refresh", unit.name), "all_gather", INTRA, unit.refresh)
+        for unit in [root, *units]:
+            line.wait(("refresh", unit.name))
+    return line
+
+
+# ---- from layouts and work ----
+
+
+@dataclass(frozen=True)
+class Links:
+    """The link inside shard groups and the link across them, and how the ranks are grouped."""
+
+    intra: Interconnect
+    inter: Interconnect
+    replicas: int = 1  # R shard groups
+    reshard_size: int | None = None  # k: backward gathers in reshard groups of k ranks
+
+
+def unit_times(
+    name: str, layouts: list[FlatParamLayout], seconds: tuple[float, float, float], policy: PrecisionPolicy,
+    stage: Stage, links: Links,
+) -> UnitTimes:  # fmt: skip
+    """One unit's collectives from its flat parameters' layouts (one call each), beside its compute ``seconds``
+    (forward, backward, root's lead forward) per micro-batch."""
+    gather = regather = reduce = across = refresh = 0.0
+    for lay in layouts:
+        c, r = policy.compute_for(lay.dtype).itemsize, (policy.reduce_dtype or lay.dtype).itemsize
+        n = lay.world_size
+        if n > 1:
+            ring = links.intra.ring_seconds(lay.padded_numel * c, n)
+            if stage is Stage.PARAMETERS:
+                gather += ring
+                regather += links.intra.ring_seconds(lay.padded_numel * c, links.reshard_size or n)
+            refresh += ring if stage is not Stage.PARAMETERS and lay.requires_grad else 0.0
+            reduce += links.intra.ring_seconds(lay.padded_numel * r, n) if lay.requires_grad else 0.0
+        if lay.requires_grad and links.replicas > 1:
+            across += links.inter.all_reduce_seconds(lay.shard_numel * r, links.replicas)
+    forward, backward, lead = seconds
+    return UnitTimes(name, forward, backward, lead, gather, regather, reduce, across, refresh)
+
+
+def _compute_seconds(work: UnitWork | None, rate: ComputeRate, is_root: bool) -> tuple[float, float, float]:
+    """(forward, backward, lead forward) seconds of one micro-batch of a unit's work."""
+    work = work or UnitWork()
+    return rate.seconds(work.forward), rate.seconds(work.backward), rate.seconds(work.lead) if is_root else 0.0
+
+
+def _works(units: dict[str, list[FlatParamLayout]], compute: ComputeTrace) -> dict[str, UnitWork]:
+    """The traced work by the layout's units; a traced unit the layout lacks (no parameters of its own) runs in
+    the root, after the units."""
+    works = {name: compute.by_unit.get(name, UnitWork()) for name in units}
+    for name, work in compute.by_unit.items():
+        if name not in units:
+            root = works.get(ROOT, UnitWork())
+            works[ROOT] = UnitWork(root.forward + work.forward, root.recompute + work.recompute, root.lead)
+    return works
+
+
+def predict_step_time(
+    units: dict[str, list[FlatParamLayout]],
+    compute: ComputeTrace,
+    rate: ComputeRate,
+    config: ShardLabConfig,
+    policy: PrecisionPolicy,
+    links: Links,
+    *,
+    micro_batches: int = 1,
+    optimizer: Work | None = None,
+    data_seconds: float = 0.0,
+    prefetch: int = 1,
+) -> dict[str, Any]:
+    """Seconds per optimizer step (the module's docstring): ``units`` the layouts of a shard group, the root first
+    then in forward order; ``compute`` one micro-batch's work by unit; ``optimizer`` one step's work."""
+    works, optimizer = _works(units, compute), optimizer or Work()
+    times = [
+        unit_times(name, lays, _compute_seconds(works[name], rate, name == ROOT), policy, config.stage, links)
+        for name, lays in units.items()
+    ]
+    root, others = times[0], times[1:]
+    plan = Schedule(config.stage, config.reshard_after_forward, config.accumulation is Accumulation.DEFER, prefetch)
+    line = play(root, others, plan, micro_batches, rate.seconds(optimizer), data_seconds)
+    return _result(times, line, micro_batches, rate.seconds(optimizer), data_seconds)
+
+
+def _result(
+    times: list[UnitTimes], line: Timeline, micro_batches: int, optimizer: float, data: float
+) -> dict[str, Any]:
+    m = micro_batches
+    parts = {
+        "forward": m * sum(t.forward for t in times),
+        "backward": m * sum(t.backward for t in times),
+        "optimizer": optimizer,
+        "data": data,
+        "comm_exposed": sum(line.exposed.values(), 0.0),
+        "waiting_for_ranks": 0.0,
+    }
+    return {
+        "step": sum(parts[k] for k in PARTS),
+        **parts,
+        "comm_hidden": max(sum(line.wire.values(), 0.0) - parts["comm_exposed"], 0.0),
+        "by_unit": {t.name: {"forward": m * t.forward, "backward": m * t.backward} for t in times},
+        "by_collective": {kind: _kind(line, kind) for kind in line.wire},
+    }
+
+
+def _kind(line: Timeline, kind: str) -> dict[str, float]:
+    """One collective kind per step: its seconds on the wire, the part compute waited for, the rest (hidden), and
+    its calls' seconds from launch to end (``in_flight``: queued behind others too, as a clock at the seams sees it)."""
+    seconds, exposed = line.wire[kind], line.exposed.get(kind, 0.0)
+    return {
+        "seconds": seconds,
+        "exposed": exposed,
+        "hidden": max(seconds - exposed, 0.0),
+        "in_flight": line.in_flight[kind],
+    }
+
+
+def traffic_seconds(traffic: Traffic, group: int, links: Links) -> dict[str, dict[str, float]]:
+    """Without compute (a parameter count, or no traced micro-batch): each kind's seconds on the wire, the ring lower
+    bound over its calls (``Plan.traffic``), none known to be hidden."""
+    out = {}
+    for kind in ("all_gather", "reduce_scatter"):
+        inside = links.intra.ring_seconds(
+            traffic.scope_bytes("world", "shard", kind=kind), group, traffic.scope_calls("world", "shard", kind=kind)
+        )
+        if links.reshard_size:
+            reshard = (traffic.scope_bytes("reshard", kind=kind), traffic.scope_calls("reshard", kind=kind))
+            inside += links.intra.ring_seconds(reshard[0], links.reshard_size, reshard[1])
+        out[kind] = inside
+    calls, nbytes = traffic.scope_calls("replica"), traffic.scope_bytes("replica")
+    out["all_reduce"] = links.inter.all_reduce_seconds(nbytes, links.replicas, calls) if calls else 0.0
+    return {kind: {"seconds": s, "exposed": None} for kind, s in out.items() if s > 0}  # type: ignore[misc]
+
+
+def basis(rate: ComputeRate, links: Links, micro_batches: int, precision: str, optimizer: str) -> dict[str, Any]:
+    """What a prediction was made from, to print beside it."""
+    return {
+        "rate": rate.name,
+        "flops_per_second": rate.flops_per_second,
+        "bytes_per_second": rate.bytes_per_second,
+        "seconds_per_op": rate.seconds_per_op,
+        "probe_seconds": rate.probe_seconds,
+        "link": links.intra.name,
+        "inter": links.inter.name if links.replicas > 1 else None,
+        "micro_batches": micro_batches,
+        "precision": precision,
+        "optimizer": optimizer,
+    }

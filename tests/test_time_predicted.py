@@ -1,0 +1,273 @@
+"""The time per step predicted (budget/predicted/step_time.py): pure arithmetic on layouts, traced work and links, no
+processes, no clocks. Rates and links are given here, so no figure depends on this machine."""
+
+from __future__ import annotations
+
+import functools
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_shardlab.budget.predicted.compute_rate import ComputeRate
+from lightning_shardlab.budget.predicted.compute_trace import (
+    ComputeTrace,
+    trace_compute,
+    trace_plan_compute,
+    unit_flops_for_batch,
+)
+from lightning_shardlab.budget.predicted.plan import plan_model
+from lightning_shardlab.budget.predicted.plan_time import TimedSetting, plan_time
+from lightning_shardlab.budget.predicted.run_time import time_predicted_for_run
+from lightning_shardlab.budget.predicted.step_time import PARTS, Links, predict_step_time
+from lightning_shardlab.budget.predicted.zero_table import INTERCONNECTS, Interconnect
+from lightning_shardlab.cli.plan import main
+from lightning_shardlab.core.config import Accumulation, PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.examples.gpt import GPT
+from lightning_shardlab.sharding.policy import plan_units
+
+INIT = {"vocab_size": 128, "block_size": 64, "n_layer": 3, "n_head": 2, "n_embd": 64}
+ONE_UNIT_PER_BLOCK = {"unit_bucket_params": 0}  # the tiny blocks would be bucketed into one unit
+RATE = ComputeRate(
+    "given for the tests", flops_per_second=1e10, bytes_per_second=1e10, seconds_per_op=1e-6, device="cpu"
+)
+KEYS = {*PARTS, "step", "comm_hidden", "by_unit", "by_collective"}
+
+
+@functools.cache
+def gpt() -> nn.Module:
+    with torch.device("meta"):
+        return GPT(**INIT)
+
+
+def setting(link: str = "10gbe", rate: ComputeRate = RATE, world_size: int = 2, **options: Any) -> TimedSetting:
+    config = ShardLabConfig(**{**ONE_UNIT_PER_BLOCK, **options})
+    inter = INTERCONNECTS[link]
+    timed = TimedSetting(gpt(), config, world_size, "32-true", "adamw", inter, inter, rate, 2, 32)
+    timed.traces[2] = _trace(config.activation_checkpointing)
+    return timed
+
+
+@functools.cache
+def _trace(checkpointing: bool) -> ComputeTrace:
+    config = ShardLabConfig(**ONE_UNIT_PER_BLOCK, activation_checkpointing=checkpointing)
+    return trace_plan_compute(gpt(), 2, 32, "32-true", config)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_every_key_is_there_non_negative_and_the_step_is_the_sum_of_its_parts(stage: int) -> None:
+    time = setting(stage=Stage(stage)).predict()
+    assert KEYS <= set(time)
+    assert all(time[k] >= 0 for k in (*PARTS, "step", "comm_hidden"))
+    assert time["step"] == pytest.approx(sum(time[k] for k in PARTS))  # comm_hidden overlaps: not a part
+    assert time["waiting_for_ranks"] == 0.0 and time["data"] == 0.0
+    assert list(time["by_unit"]) == ["root", "blocks.0", "blocks.1", "blocks.2"]
+    assert all(v["forward"] > 0 and v["backward"] == pytest.approx(2 * v["forward"]) for v in time["by_unit"].values())
+    assert time["forward"] == pytest.approx(sum(v["forward"] for v in time["by_unit"].values()))
+    assert set(time["by_collective"]) == {"all_gather", "reduce_scatter"}
+    wire = sum(v["seconds"] for v in time["by_collective"].values())
+    exposed = sum(v["exposed"] for v in time["by_collective"].values())
+    assert exposed == pytest.approx(time["comm_exposed"]) and wire == pytest.approx(exposed + time["comm_hidden"])
+    assert time["optimizer"] > 0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"stage": Stage(1)},
+        {"stage": Stage(2)},
+        {"stage": Stage(3)},
+        {"stage": Stage(3), "reshard_after_forward": False},
+        {"stage": Stage(3), "shard_group_size": 2},
+        {"stage": Stage(2), "shard_group_size": 1},  # replicas only: every gradient all-reduced across them
+        {"stage": Stage(3), "reshard_after_forward": 2},
+    ],
+)
+def test_the_wire_adds_up_to_the_plans_lower_bound_and_more_bandwidth_never_costs_more(options: dict) -> None:
+    slow, fast = INTERCONNECTS["10gbe"], Interconnect("10gbe, twice the bandwidth", 2 * 1.25e9, 50e-6)
+    world = 4
+    time = setting(world_size=world, **options).predict()
+    config = ShardLabConfig(**ONE_UNIT_PER_BLOCK, **options)
+    plan = plan_model(gpt(), config, world, "32-true", "adamw", slow, "gpt")
+    # one call per flat parameter, at the ring bound of its link: the same sum as the plan's, call for call
+    assert sum(v["seconds"] for v in time["by_collective"].values()) == pytest.approx(plan.comm_seconds)
+    timed = setting(world_size=world, **options)
+    timed.intra = timed.inter = fast
+    faster = timed.predict()
+    for kind, entry in time["by_collective"].items():
+        assert faster["by_collective"][kind]["seconds"] < entry["seconds"]
+    assert faster["comm_exposed"] <= time["comm_exposed"] + 1e-12
+    assert faster["step"] <= time["step"] + 1e-12
+
+
+def test_stage_3_exposes_at_least_the_first_units_gather_however_slow_compute_is() -> None:
+    slow_compute = ComputeRate("slow", 1e6, 1e6, 1e-3)  # every collective could hide behind this compute
+    time = setting(rate=slow_compute, stage=Stage(3)).predict()
+    link = INTERCONNECTS["10gbe"]
+    units = plan_units(gpt(), ShardLabConfig(**ONE_UNIT_PER_BLOCK), 2).layouts()
+    first = [lay for name in ("root", "blocks.0") for lay in units[name]]  # gathered as the step begins
+    gathers = sum(link.ring_seconds(lay.padded_numel * 4, 2) for lay in first)  # fp32: 4 bytes per element
+    assert time["by_collective"]["all_gather"]["exposed"] >= gathers * (1 - 1e-9)
+    assert time["by_collective"]["all_gather"]["seconds"] > time["by_collective"]["all_gather"]["exposed"]
+    stage_2 = setting(rate=slow_compute, stage=Stage(2)).predict()
+    refresh = stage_2["by_collective"]["all_gather"]  # after the optimizer step: waited for, nothing computes
+    assert refresh["exposed"] == pytest.approx(refresh["seconds"])
+
+
+def test_accumulation_repeats_compute_and_gathers_and_defer_reduces_once() -> None:
+    one = setting(stage=Stage(3)).predict()
+    two = setting(stage=Stage(3)).predict(micro_batches=2)
+    defer = setting(stage=Stage(3), accumulation=Accumulation.DEFER).predict(micro_batches=2)
+    assert two["forward"] == pytest.approx(2 * one["forward"]) and two["optimizer"] == pytest.approx(one["optimizer"])
+    gathered, reduced = (
+        (lambda t: t["by_collective"]["all_gather"]["seconds"]),
+        (lambda t: t["by_collective"]["reduce_scatter"]["seconds"]),
+    )
+    assert gathered(two) == pytest.approx(2 * gathered(one)) and reduced(two) == pytest.approx(2 * reduced(one))
+    assert gathered(defer) == pytest.approx(gathered(two)) and reduced(defer) == pytest.approx(reduced(one))
+
+
+def test_checkpointing_adds_one_forward_of_each_unit_to_its_backward() -> None:
+    plain = setting(stage=Stage(3)).predict()
+    recomputed = setting(stage=Stage(3), activation_checkpointing=True).predict()
+    for name in ("blocks.0", "blocks.1", "blocks.2"):
+        unit = recomputed["by_unit"][name]
+        assert unit["backward"] == pytest.approx(3 * unit["forward"])
+        assert unit["forward"] == pytest.approx(plain["by_unit"][name]["forward"])
+    assert recomputed["by_unit"]["root"] == pytest.approx(plain["by_unit"]["root"])  # the root is not checkpointed
+
+
+@pytest.mark.quick
+def test_flops_per_unit_are_the_hand_count_of_a_linear() -> None:
+    n_in, n_out, batch, tokens = 24, 40, 3, 5
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(n_in, n_out), nn.ReLU(), nn.Linear(n_out, n_in))
+    config = ShardLabConfig(unit_classes=(nn.Linear,))
+    trace = trace_compute(model, lambda: torch.randn(batch, tokens, n_in), [lambda m, x: m(x).sum()], "32-true", config)
+    assert trace.error is None
+    flops = trace.flops()
+    assert flops == {"root": 0.0, "0": 2 * n_in * n_out * batch * tokens, "2": 2 * n_out * n_in * batch * tokens}
+    assert trace.by_unit["root"].forward.bytes > 0  # the ReLU and the sum: memory-bound, the root's
+    assert trace.by_unit["0"].forward.bytes == 0  # a Linear's work is its matmul
+    assert sorted(trace.matmuls) == [(1, batch * tokens, n_in, n_out), (1, batch * tokens, n_out, n_in)]
+
+
+def test_the_runs_first_batch_traces_as_the_plans_micro_batch() -> None:
+    config = ShardLabConfig(**ONE_UNIT_PER_BLOCK)
+    batch = (torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32)))
+    run = unit_flops_for_batch(gpt(), batch, config, "32-true")
+    assert run.error is None and list(run.by_unit) == ["root", "blocks.0", "blocks.1", "blocks.2"]
+    assert run.flops() == _trace(False).flops()
+    c, t, ff = INIT["n_embd"], 2 * 32, 4 * INIT["n_embd"]
+    # a block: qkv (c -> 3c), proj (c -> c), fc (c -> 4c), proj (4c -> c) on t tokens, and attention's two matmuls
+    # (2 x 2 B H T T d = 4 B T T c, as torch counts it: causal masking not subtracted)
+    block = 2 * t * (3 * c * c + c * c + 2 * c * ff) + 4 * 2 * 32 * 32 * c
+    assert run.flops()["blocks.1"] == block
+    assert run.by_unit["root"].lead.bytes > 0 and run.by_unit["root"].lead.flops == 0  # the embeddings
+
+
+def _stand_in(timed: TimedSetting) -> Any:
+    """What ``time_predicted_for_run`` reads of a ShardedModel, for a plain world of 2 (no processes)."""
+    units = plan_units(gpt(), timed.config, 2).layouts()
+    flat = [
+        SimpleNamespace(name=name, flat_params=[SimpleNamespace(layout=lay) for lay in lays])
+        for name, lays in units.items()
+    ]
+    group = SimpleNamespace(world_size=1, rank=0)
+    mesh = SimpleNamespace(replica=group, reshard=group, shard=SimpleNamespace(rank=0, world_size=2), regrouped=False)
+    comm = SimpleNamespace(device=torch.device("cpu"), rank=0)
+    return SimpleNamespace(forward_order=flat, config=timed.config, mesh=mesh, comm=comm, policy=PrecisionPolicy())
+
+
+def test_a_runs_time_is_its_layouts_played_on_its_schedule() -> None:
+    timed = setting(stage=Stage(3))
+    sharded, link = _stand_in(timed), INTERCONNECTS["10gbe"]
+    run = time_predicted_for_run(sharded, _trace(False), 1, "32-true", link=link, rate=RATE)
+    assert run["basis"]["link"] == link.name and run["basis"]["optimizer"] == "AdamW"
+    planned = timed.predict()
+    for key in (*PARTS, "step", "comm_hidden"):
+        assert run[key] == pytest.approx(planned[key]), key
+    flops_only = time_predicted_for_run(sharded, _trace(False).flops(), 1, "32-true", link=link, rate=RATE)
+    assert flops_only["forward"] < run["forward"]  # FLOPs alone: no memory-bound ops, no kernels
+    missing = time_predicted_for_run(sharded, None, 1, "32-true", link=link, rate=RATE)
+    assert set(missing) == {"error"} and "[rank 0]" in missing["error"] and "HINT" in missing["error"]
+
+
+def test_a_slower_link_makes_the_cheapest_change_appear() -> None:
+    fast = plan_time(setting("nvlink", RATE, stage=Stage(3)))
+    assert fast["comm_exposed"] < 0.01 * fast["step"] and "changes" not in fast
+    slow = plan_time(setting("10gbe", RATE, stage=Stage(3)))
+    assert slow["comm_exposed"] > 0.01 * slow["step"] and slow["changes"]
+    choice = slow["choice"]
+    assert choice is not None and choice["available"] and choice["step"] < slow["step"]
+    offered = [c for c in slow["changes"] if c["available"]]
+    assert choice["step"] == min(c["step"] for c in offered)
+    assert any(not c["available"] for c in slow["changes"])  # prefetching further: shown, never chosen
+
+
+def test_the_plan_command_prints_the_time_per_step_for_10gbe(capsys: pytest.CaptureFixture) -> None:
+    argv = ["--model", "lightning_shardlab.examples.gpt.GPT", "--init-args", json.dumps(INIT), "--world-size", "2"]
+    timed = [*argv, "--interconnect", "10gbe", "--micro-batch-size", "2", "--seq-len", "32", "--precision", "32-true"]
+    main([*timed, "--flops", "1e12"])
+    out = capsys.readouterr().out
+    assert "time per step (predicted)" in out and "comm exposed" in out and "comm hidden" in out
+    assert "10 Gigabit Ethernet" in out and "given: 1e+12 FLOP/s" in out
+    assert "cheapest change that hides communication" in out  # a 10 GbE link exposes it at this size
+    main([*timed, "--json"])
+    time = json.loads(capsys.readouterr().out)["time"]
+    assert KEYS <= set(time) and time["step"] == pytest.approx(sum(time[k] for k in PARTS))
+    main(["--params", "7e9", "--world-size", "8", "--interconnect", "10gbe"])
+    out = capsys.readouterr().out
+    assert "time per step: communication" in out and "on the wire" in out and "reduce_scatter" in out
+    assert "needs a model" in out and "time per step (predicted)" not in out
+
+
+def test_predict_step_time_takes_layouts_directly() -> None:
+    units = plan_units(gpt(), ShardLabConfig(**ONE_UNIT_PER_BLOCK), 2).layouts()
+    link = INTERCONNECTS["10gbe"]
+    time = predict_step_time(units, _trace(False), RATE, ShardLabConfig(), PrecisionPolicy(), Links(link, link))
+    assert KEYS <= set(time) and time["optimizer"] == 0.0  # no optimizer work given
+
+
+@pytest.mark.parametrize("late", [0.0, 4.0])
+def test_stage_3_played_by_hand(late: float) -> None:
+    """Two units A, B and the root; every gather 1 s (B's 1 + ``late``), forward 3 s, backward 6 s, each
+    reduce-scatter 2 s, the root computes nothing. Forward: A's and the root's gathers open the step (2 s exposed);
+    B's, launched at A's pre-forward (t = 2), is exposed by max(0, gather(B) - compute(A)). Backward: B
+    stayed gathered; A's gather flies behind B's backward; B's reduce-scatter behind A's; at the end A's and then the
+    root's reduce-scatter are waited for (4 s exposed)."""
+    from lightning_shardlab.budget.predicted.step_time import Schedule, UnitTimes, play
+
+    root = UnitTimes("root", gather=1.0, reduce=2.0)
+    a = UnitTimes("A", forward=3.0, backward=6.0, gather=1.0, regather=1.0, reduce=2.0)
+    b = UnitTimes("B", forward=3.0, backward=6.0, gather=1.0 + late, regather=1.0, reduce=2.0)
+    line = play(root, [a, b], Schedule(Stage.PARAMETERS))
+    exposed = max(0.0, b.gather - a.forward)
+    assert line.exposed == pytest.approx({"all_gather": 2.0 + exposed, "reduce_scatter": 4.0})
+    assert line.wire == pytest.approx({"all_gather": 4.0 + late, "reduce_scatter": 6.0})  # B is not gathered again
+    assert line.now == pytest.approx(18.0 + 6.0 + exposed)  # compute + exposed
+    # launch to end: the root's gather queued 1 s behind A's on the link
+    assert line.in_flight == pytest.approx({"all_gather": 5.0 + late, "reduce_scatter": 6.0})
+    kept = play(root, [a, b], Schedule(Stage.PARAMETERS, reshard_after_forward=False))
+    assert kept.wire["all_gather"] == pytest.approx(3.0 + late)  # no backward gathers
+    stage_2 = play(root, [a, b], Schedule(Stage.GRADIENTS))
+    assert "all_gather" not in stage_2.exposed and stage_2.now == pytest.approx(18.0 + 4.0)  # no refresh given
+
+
+def test_one_reduce_scatter_in_flight_by_hand() -> None:
+    """Three units, C's reduce-scatter slow (10 s): B's post-backward waits for it (4 s exposed, as
+    MAX_REDUCTIONS_IN_FLIGHT = 1), and A's backward gather, queued behind it on the link, is 1 s late."""
+    from lightning_shardlab.budget.predicted.step_time import Schedule, UnitTimes, play
+
+    root = UnitTimes("root", gather=1.0, reduce=2.0)
+    a, b = (UnitTimes(n, forward=3.0, backward=6.0, gather=1.0, regather=1.0, reduce=2.0) for n in "AB")
+    c = UnitTimes("C", forward=3.0, backward=6.0, gather=1.0, regather=1.0, reduce=10.0)
+    line = play(root, [a, b, c], Schedule(Stage.PARAMETERS))
+    # all_gather: the root's and A's at the start (2), A's backward gather behind C's reduce-scatter (1);
+    # reduce_scatter: C's at B's post-backward (4), A's and the root's at the end of backward (2 + 2)
+    assert line.exposed == pytest.approx({"all_gather": 3.0, "reduce_scatter": 8.0})
+    assert line.now == pytest.approx(27.0 + 11.0)
