@@ -111,6 +111,24 @@ def test_the_parts_add_up_to_the_step_on_every_rank_at_every_stage(results: list
             assert units_total <= measured["forward"] + measured["backward"] + 1e-9
 
 
+def test_the_prediction_has_the_same_parts_and_lies_in_a_loose_band_around_the_measurement(results: list) -> None:
+    """The step played on the engine's schedule from the first batch's traced work, the links timed with the run's
+    own collectives (budget/predicted/run_time.py). The band is loose on purpose: this tiny model's step (~20 ms)
+    is mostly what the model does not price (Python in the engine's and the budget's hooks, per saved tensor and
+    per unit: measured 3-5x the prediction), and two ranks and gloo's threads share two cores; the tight
+    comparison is on the example GPT, in benchmarks/TIME_PREDICTION.md (0.92-1.13 of the step at stages 1-3)."""
+    for case, ranks in zip(CASES, results):
+        if "slow" in case:
+            continue
+        for rank in ranks:
+            predicted, measured = rank["report"]["time_predicted"], rank["report"]["time_measured"]
+            assert set(TIME_KEYS) <= set(predicted), (case, predicted)
+            parts = sum(predicted[k] for k in ADDITIVE)
+            assert parts == pytest.approx(predicted["step"], rel=1e-9), predicted
+            assert 0.1 <= measured["step"] / predicted["step"] <= 10, (case, measured, predicted)
+            assert {"blocks.0", "blocks.1", "blocks.2"} <= set(predicted["by_unit"]), predicted["by_unit"]
+
+
 def test_a_healthy_run_names_no_straggler(results: list) -> None:
     for case, ranks in zip(CASES, results):
         if "slow" not in case:

@@ -18,6 +18,7 @@ as a stacked bar, activations on top (``shardlab_budget.png``, budget/bars.py).
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -30,12 +31,15 @@ from rich.console import Console
 
 from lightning_shardlab.budget.bars import write_bars
 from lightning_shardlab.budget.measured.activations import ActivationMeter
+from lightning_shardlab.budget.measured.local_link import measure_run_link
 from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES, live_storages, measure_memory
 from lightning_shardlab.budget.measured.step_peak import StepPeak
 from lightning_shardlab.budget.measured.step_time import TimeMeter, align_timelines
 from lightning_shardlab.budget.measured.tiers import tier_counters
 from lightning_shardlab.budget.predicted.activation_prediction import meta_clone, predict_for_batch
+from lightning_shardlab.budget.predicted.compute_trace import unit_flops_for_batch
 from lightning_shardlab.budget.predicted.optimizer_peak import optimizer_step_bytes
+from lightning_shardlab.budget.predicted.run_time import time_predicted_for_run
 from lightning_shardlab.budget.predicted.step_peak import predict_step_peak, timeline_for_batch
 from lightning_shardlab.budget.report import Measured, Run, rank_report
 from lightning_shardlab.budget.tables import print_budget
@@ -186,6 +190,7 @@ class ShardLabBudget(L.Callback):
                 step = self.predicted_activations["step"]
                 self.predicted_timeline = timeline_for_batch(self._clone, batch, run.sharded, run.precision, step)
                 self.predicted_optimizer = optimizer_step_bytes(run.optimizers, run.sharded)
+            self.predicted_work = unit_flops_for_batch(self._clone, batch, run.sharded.config, run.precision)
             self._clone = None
         self._batch_start(run, batch)
 
@@ -332,9 +337,24 @@ class ShardLabBudget(L.Callback):
             self.activations = None
         measured = Measured(self.last, training, step_seconds, steps, self.storage_io, activations, self.peaks)
         report = {**rank_report(run, measured), "activations_predicted": self.predicted_activations}
+        report["step_peak_predicted"] = predict_step_peak(report, self.predicted_timeline, self.predicted_optimizer)
         if self.time is not None:  # collective: the last exchange of the step clock
             report.update(self.time.report())
             self.time.stop()
             self.time = None
-        report["step_peak_predicted"] = predict_step_peak(report, self.predicted_timeline, self.predicted_optimizer)
+            report["time_predicted"] = self._time_predicted(run)
         return report
+
+    def _time_predicted(self, run: Run) -> dict[str, Any]:
+        """Collective (the links timed): the step played on the engine's schedule (budget/predicted/step_time.py)
+        from the first batch's work, on the run's own links measured now with its own collectives."""
+        if self.predicted_work is None:
+            return {"error": "no batch was traced (a Fabric loop, or a model built in configure_model)"}
+        mesh = run.sharded.mesh
+        hosts = collectives.all_gather_object(socket.gethostname(), mesh.world, label="hosts", kind="budget")
+        link = measure_run_link(mesh.shard) if mesh.shard.world_size > 1 else None
+        inter = measure_run_link(mesh.replica) if mesh.replica.world_size > 1 else None
+        return time_predicted_for_run(
+            run.sharded, self.predicted_work, run.micro_batches, run.precision,
+            link=link, inter=inter or link, optimizers=run.optimizers, ranks_here=hosts.count(socket.gethostname()),
+        )  # fmt: skip

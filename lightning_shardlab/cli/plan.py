@@ -63,34 +63,27 @@ from typing import Any
 import torch
 import yaml
 from rich.console import Console
-from rich.table import Table
 
-from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES
 from lightning_shardlab.budget.measured.tiers import (
     LINKS,
-    plan_rows,
 )
 from lightning_shardlab.budget.predicted.compute_rate import measure_rate, preset_rate
 from lightning_shardlab.budget.predicted.fits import Setting, add_activations
 from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, plan_model, plan_params
 from lightning_shardlab.budget.predicted.plan_time import (
     TimedSetting,
-    basis_line,
-    change_rows,
-    choice_line,
     comm_only_time,
     plan_time,
-    time_rows,
 )
 from lightning_shardlab.budget.predicted.run_time import local_link
 from lightning_shardlab.budget.predicted.zero_table import (
     DEVICES,
     INTERCONNECTS,
     Interconnect,
-    Traffic,
 )
+from lightning_shardlab.cli.plan_tables import print_plan, print_time
 from lightning_shardlab.core.config import ShardLabConfig, import_path
-from lightning_shardlab.core.display import gigabytes, print_table, size
+from lightning_shardlab.core.display import gigabytes
 
 # ---- inputs: a model from an import path or a LightningCLI YAML ----
 
@@ -122,174 +115,6 @@ def from_yaml(path: str) -> tuple[str, dict, dict, str | None]:
 
 
 # ---- output ----
-
-
-def _gb(n: float) -> str:
-    return size(n, decimal=True)  # as hardware is sold
-
-
-def _grouping(plan: Plan) -> str:
-    """'64 ranks = 8 shard groups x 8 ranks' (hybrid), or '64 ranks'; with reshard groups of k."""
-    text = f"{plan.world_size} ranks"
-    if plan.replicas > 1:
-        text += f" = {plan.replicas} shard groups x {plan.shard_group_size} ranks"
-    if plan.reshard_size:
-        text += f", backward gathers in reshard groups of {plan.reshard_size}"
-    return text
-
-
-def print_plan(plan: Plan, console: Console) -> None:
-    """Per-rank bytes, bytes moved per step inside and across groups, and the time on each link."""
-    traffic = Traffic(**plan.traffic)
-    table = Table(title=f"shardlab plan: {plan.source}")
-    table.add_column("")
-    table.add_column("per rank", justify="right")
-    for cat in MEMORY_CATEGORIES:
-        table.add_row(cat, _gb(plan.memory_per_rank.get(cat, 0.0)))
-    table.add_row("model state per rank", _gb(plan.model_state))
-    table.add_row("unsharded (one device)", _gb(plan.unsharded_bytes))
-    if plan.gathered_peak:
-        table.add_row("gathered units at peak", _gb(plan.gathered_peak))
-    for label, value in activation_rows(plan):
-        table.add_row(label, value)
-    hybrid = plan.replicas > 1
-    inside = "moved per step in each shard group (full tensors)" if hybrid else "moved per step (full tensors)"
-    table.add_row(inside, _gb(traffic.scope_bytes("world", "shard", rings=True)))
-    if plan.reshard_size:
-        table.add_row("moved per step in each reshard group (full tensors)", _gb(traffic.scope_bytes("reshard")))
-    if hybrid:
-        table.add_row("moved per step across shard groups (all-reduced shards)", _gb(traffic.scope_bytes("replica")))
-        table.add_row(f"intra-group link >= ({plan.links['intra']})", _ms(plan.link_seconds["intra"]))
-        table.add_row(f"inter-group link >= ({plan.links['inter']})", _ms(plan.link_seconds["inter"]))
-        table.add_row("communication >= (both links)", _ms(plan.comm_seconds))
-    else:
-        table.add_row(f"communication >= ({plan.interconnect})", _ms(plan.comm_seconds))
-    fields = asdict(plan)
-    if plan.step_peak is not None:  # the verdict is the step peak's (below), not the model state's alone
-        fields["device_memory"] = None
-    for label, value in [*whole_rows(plan.whole_tensor, plan.world_size), *plan_rows(fields)]:
-        table.add_row(label, _gb(value) if isinstance(value, float) else value)
-    if plan.compute_seconds is not None:
-        verdict = "hides behind compute" if plan.comm_seconds <= plan.compute_seconds else "exceeds compute"
-        table.add_row("compute per step (estimate)", _ms(plan.compute_seconds))
-        table.add_row("communication", verdict)
-    print_table(console, table)
-    console.print(
-        f"{plan.params:,} parameters, stage {plan.stage}, {_grouping(plan)}, {plan.precision}", soft_wrap=True
-    )
-    print_fit(plan, console)
-    if plan.whole_tensor:
-        console.print(
-            f"{plan.whole_tensor['recipe']}; each parameter {plan.whole_tensor['optimizer']} steps is stepped whole"
-            " on one owner rank, which alone keeps its state: per step one all-to-all gathers its averaged gradient"
-            " pieces (and values, unless the owner holds the parameter whole), one returns the new values.",
-            soft_wrap=True,
-        )
-
-
-def activation_rows(plan: Plan) -> list[tuple[str, str]]:
-    """(label, text) rows for a traced micro-batch: what it saves, the largest unit, the step peak, the verdict."""
-    acts, peak = plan.activations, plan.step_peak
-    if acts is None or peak is None:
-        return []
-    ckpt = acts["checkpointing"]
-    by_unit = acts["checkpointed_by_unit" if ckpt else "by_unit"]
-    units = {k: v for k, v in by_unit.items() if k != "root"}
-    shape = f"{acts['micro_batch_size']} x {acts['seq_len']}"
-    ckpt_text = f", {len(acts['checkpointed'])} modules checkpointed" if ckpt else ""
-    total = acts["checkpointed_total" if ckpt else "total"]
-    rows = [(f"saved for backward (micro-batch {shape}{ckpt_text}; traced)", _gb(total))]
-    rows.append(("  of which the root unit", _gb(by_unit.get("root", 0))))
-    if units:
-        largest = max(units, key=units.get)
-        rows.append((f"  the largest unit ({largest}; {len(units)} units)", _gb(units[largest])))
-    if ckpt:
-        rows.append(("recompute peak (largest checkpointed module, in backward)", _gb(acts["recompute_peak"])))
-    rows.append(("live at the step's busiest moment (traced)", _gb(peak["traced"])))
-    rows.append(("  gathered then / in flight then", f"{_gb(peak['gathered'])} / {_gb(peak['in_flight'])}"))
-    rows.append(("step peak per rank", _gb(peak["total"])))
-    if plan.fit is not None:
-        rows.append((f"in {plan.fit['device_memory'] / 1e9:,.0f} GB of device memory", _verdict(plan.fit)))
-    return rows
-
-
-def _verdict(fit: dict[str, Any]) -> str:
-    if fit["fits"]:
-        return "fits"
-    return f"does not fit; cheapest change: {fit['choice']}" if fit["choice"] else "does not fit; no single change fits"
-
-
-def print_fit(plan: Plan, console: Console) -> None:
-    """The step peak as arithmetic, and with --device-memory every change tried, the cheapest that fits marked."""
-    if plan.step_peak is None:
-        return
-    console.print(f"step peak per rank: {plan.step_peak['arithmetic']}", soft_wrap=True)
-    if plan.fit is None or plan.fit["fits"]:
-        return
-    table = Table(title=f"changes that fit the step in {_gb(plan.fit['device_memory'])} (cheapest first)")
-    for col in ("change", "step peak", "fits", "added per step >=", "cost"):
-        table.add_column(col, justify="left" if col in ("change", "cost") else "right")
-    ordered = sorted(plan.fit["candidates"], key=lambda c: (not c["fits"], c["added_seconds"]))
-    for c in ordered:
-        mark = " (chosen)" if c["name"] == plan.fit["choice"] else ""
-        table.add_row(
-            c["name"] + mark, _gb(c["peak"]["total"]), "yes" if c["fits"] else "no", _ms(c["added_seconds"]), c["cost"]
-        )
-    print_table(console, table)
-
-
-def whole_rows(whole: dict[str, Any] | None, world_size: int) -> list[tuple[str, float | str]]:
-    """(label, bytes or text) rows for a whole-tensor optimizer: the fullest owner, the 1/W ideal, the exchanges."""
-    if not whole:
-        return []
-    name, fullest, busiest = whole["optimizer"], whole["fullest_rank"], whole["busiest_rank"]
-    owned = f"{fullest['owned_params']:,} parameters, " if whole["params"] else ""
-    share = fullest["owned_numel"] / max(whole["numel"], 1)
-    return [
-        (
-            f"{name}: owned by the fullest rank ({fullest['rank']})",
-            f"{owned}{fullest['owned_numel']:,.0f} of {whole['numel']:,.0f} elements ({share:.1%}; 1/W"
-            f" {1 / world_size:.1%})",
-        ),
-        (f"{name} state of the fullest rank (whole tensors)", float(fullest["state_bytes"])),
-        (f"{name} state per rank, the 1/W ideal", float(whole["ideal_state_bytes_per_rank"])),
-        (
-            f"all-to-all per step: {whole['calls_per_step']} calls, sent by the busiest rank ({busiest['rank']})",
-            float(busiest["gather_bytes"] + busiest["return_bytes"]),
-        ),
-    ]
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.1f} ms"
-
-
-def print_time(time: dict[str, Any], console: Console) -> None:
-    """The time per step: its parts, by collective kind, and (communication exposed) the changes tried; without
-    compute, each collective's time on the wire."""
-    if "step" not in time:
-        rows = [(kind, _ms(entry["seconds"])) for kind, entry in time["by_collective"].items()]
-        _rows_table(console, "time per step: communication", ("collective", "on the wire >="), rows)
-        console.print(time["note"], soft_wrap=True)
-        return
-    _rows_table(console, "time per step (predicted)", ("", "per step", "share"), time_rows(time))
-    console.print(basis_line(time), soft_wrap=True)
-    if "changes" in time:
-        title = f"changes that hide communication ({_ms(time['comm_exposed'])} exposed of {_ms(time['step'])})"
-        _rows_table(console, title, ("change", "step", "comm exposed", "vs now", "note"), change_rows(time))
-        console.print(choice_line(time), soft_wrap=True)
-
-
-def _rows_table(console: Console, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    table = Table(title=title)
-    for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i == 0 or col == "note" else "right")
-    for row in rows:
-        table.add_row(*row)
-    print_table(console, table)
-
-
-# ---- the command ----
 
 
 def group_size(text: str) -> int | str:

@@ -15,8 +15,8 @@ the parts of a step add up to the step by construction. A collective's blocked s
 once the ranks have exchanged when each of them reached it (``arrival``, the launch): the part before the last
 rank of its group arrived is ``waiting_for_ranks`` (no data could have come sooner), the rest ``comm_exposed``
 (the data was on its way, compute did not hide it). ``comm_hidden`` is the time a call was in flight while this
-rank did something else: from its launch returning to the first of its completion (``Work.is_completed``,
-polled at each event) or its wait.
+rank did something else: from its launch returning to the first of its completion (its works' futures'
+callbacks note when, on gloo's threads; else ``Work.is_completed``, polled at each event) or its wait.
 
 Clocks: times leave the rank as wall-clock seconds (``perf_counter`` + this process's offset to
 ``time.time()``, read once). Ranks on one machine read one clock, so their times line up to the reading's
@@ -49,11 +49,25 @@ class CallTimes:
     completed: float | None = None  # first seen complete, or its wait returned
     blocked: list[tuple[float, float]] = field(default_factory=list)  # this rank's main thread blocked on it
     works: list[Any] = field(default_factory=list)  # polled for completion while in flight
+    done: list[float] = field(default_factory=list)  # when each work's future completed (its callback's time)
+
+    def watch(self, works: list[Any]) -> None:
+        """Note when each work completes: its future's callback runs on the backend's thread as it does (gloo);
+        where a work has no future, ``poll`` at the clock's events sees it instead."""
+        self.works = works
+        for work in works:
+            try:
+                work.get_future().add_done_callback(lambda _: self.done.append(time.perf_counter()))
+            except (AttributeError, RuntimeError):
+                return
 
     def poll(self, now: float) -> bool:
-        """True once complete (and notes when it was first seen so)."""
-        if self.completed is None and self.works and all(w.is_completed() for w in self.works):
-            self.completed = now
+        """True once complete (and notes when: its last work's callback, or the first event that saw it)."""
+        if self.completed is None and self.works:
+            if len(self.done) == len(self.works):
+                self.completed = max(self.done)
+            elif all(w.is_completed() for w in self.works):
+                self.completed = max(self.done) if len(self.done) == len(self.works) else now
         return self.completed is not None
 
 
@@ -157,7 +171,7 @@ class StepClock:
         call.launched = self._switch()
         call.blocked.append((call.arrival, call.launched))
         self._stack.pop()
-        call.works = works
+        call.watch(works)
         self._in_flight.append(call)
 
     def block(self, call: CallTimes | None) -> float:
@@ -172,6 +186,7 @@ class StepClock:
             return
         self._stack.pop()
         call.blocked.append((since, now))
+        call.poll(now)
         call.completed = min(call.completed or now, now)
         if call in self._in_flight:
             self._in_flight.remove(call)

@@ -15,7 +15,8 @@ datasheet (``MEMORY_BANDWIDTH``) and no per-kernel cost (a GPU queues kernels ah
   the compute dtype (rows cut down so that one call stays under ~0.4 GFLOP on a CPU, 1 TFLOP on a GPU); the
   rate is their FLOPs over their summed time (a square 512 x 512 x 512 when nothing was traced);
 - memory bandwidth: a copy of 64 MiB (1 GiB on a GPU), bytes read + written over its time;
-- per kernel: an in-place add on one element, the fixed cost of a dispatch (and launch, on a GPU).
+- per kernel: a chain of multiplications on one element, forward and backward under autograd, the fixed cost of
+  a kernel as a training step dispatches it from Python (and launches it, on a GPU).
 
 Each probe runs a warm-up call, then repeats until ~50 ms have passed (at most 5 calls), and keeps the median.
 They are cached per process, by device, dtype, shape and thread count: a run or a plan pays them once (about
@@ -24,7 +25,9 @@ They are cached per process, by device, dtype, shape and thread count: a run or 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -117,15 +120,19 @@ def memory_bandwidth(device: str, threads: int) -> float:
 
 @functools.cache
 def seconds_per_op(device: str, threads: int) -> float:
-    """Seconds of one tiny kernel on ``device`` (dispatch, and launch on a GPU): 100 in-place adds, timed."""
+    """Seconds of one tiny kernel on ``device`` as a training step runs it: dispatched from Python with autograd
+    recording (and launched, on a GPU), forward and backward: a chain of 50 multiplications of one element that
+    requires grad, and its backward, timed, over the 100 kernels that does."""
     dev = torch.device(device)
-    x = torch.zeros(1, device=dev)
+    x = torch.ones(1, device=dev, requires_grad=True)
 
-    def adds() -> None:
-        for _ in range(100):
-            x.add_(1.0)
+    def chain() -> None:
+        y = x
+        for _ in range(50):
+            y = y * 1.0
+        y.backward()
 
-    return _median_seconds(adds, dev) / 100
+    return _median_seconds(chain, dev) / 100
 
 
 def measure_rate(
@@ -142,3 +149,20 @@ def measure_rate(
         f"measured here: {dev.type}, {threads} thread{'s' if threads > 1 else ''}, {str(dtype).removeprefix('torch.')}"
     )
     return ComputeRate(name, rate, bandwidth, per_op, dev.type, time.perf_counter() - began)
+
+
+def sharing_cores(rate: ComputeRate, ranks_here: int) -> ComputeRate:
+    """``rate`` as each of ``ranks_here`` ranks on this CPU gets it when their threads outnumber its cores: the
+    OS time-slices them, so each rank sustains cores / (ranks x threads) of what one probe alone measured (the
+    probes run in one process at a time). A GPU, or a CPU with a core for every thread, is left as it is."""
+    if rate.device != "cpu":
+        return rate
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = min(1.0, cores / (ranks_here * torch.get_num_threads()))
+    if share == 1.0:
+        return rate
+    name = f"{rate.name}, x {share:.2f}: {ranks_here} ranks share {cores} cores"
+    return dataclasses.replace(
+        rate, name=name, flops_per_second=rate.flops_per_second * share,
+        bytes_per_second=rate.bytes_per_second * share, seconds_per_op=rate.seconds_per_op / share,
+    )  # fmt: skip

@@ -18,7 +18,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_shardlab.budget.measured.local_link import measure_local_link
-from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, measure_rate
+from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, measure_rate, sharing_cores
 from lightning_shardlab.budget.predicted.compute_trace import (
     ComputeTrace,
     Work,
@@ -78,11 +78,13 @@ def time_predicted_for_run(
     rate: ComputeRate | None = None,
     optimizers: list[Optimizer] | None = None,
     data_seconds: float = 0.0,
+    ranks_here: int = 1,
 ) -> dict[str, Any]:
     """This rank's seconds per optimizer step predicted (``predict_step_time``), for a run: its units in the order
     they ran, its layouts, mesh and options; ``unit_flops`` its first batch's work (compute_trace.py's
     ``unit_flops_for_batch``, or forward FLOPs per unit); ``link`` (default: ``default_link``; ``inter`` across
-    shard groups, default ``link``) and ``rate`` (default: measured on the run's device, cached). ``{"error": why}``
+    shard groups, default ``link``) and ``rate`` (default: measured on the run's device, cached, and shared by the
+    ``ranks_here`` ranks on this machine: ``sharing_cores``). ``{"error": why}``
     when there is nothing to predict from. Adds no collective: call it on any rank, at any time."""
     compute = ComputeTrace.of_flops(unit_flops) if isinstance(unit_flops, dict) else unit_flops
     if compute is None or compute.error:
@@ -99,7 +101,7 @@ def time_predicted_for_run(
     units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.forward_order}
     layouts = [lay for lays in units.values() for lay in lays]
     dtype = sharded.policy.compute_dtype or (layouts[0].dtype if layouts else torch.float32)
-    rate = rate or measure_rate(device, dtype, compute.matmuls)
+    rate = rate or sharing_cores(measure_rate(device, dtype, compute.matmuls), ranks_here)
     links = Links(link, inter or link, mesh.replica.world_size, mesh.reshard.world_size if mesh.regrouped else None)
     work, name = run_optimizer_work(sharded, optimizers, layouts)
     out = predict_step_time(

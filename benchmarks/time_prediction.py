@@ -1,0 +1,120 @@
+"""The time side of the budget, measured against predicted, on the example GPT at stages 1-3 and a 2x2 hybrid layout.
+
+    python -m benchmarks.time_prediction                  # 3 repeats -> benchmarks/TIME_PREDICTION.md
+    python -m benchmarks.time_prediction --quick          # 1 repeat, printed only
+
+Each variant is a Lightning fit with ``ShardLabBudget`` of bench.py's default GPT (6 blocks, width 384, 128 tokens,
+batch 8 per rank; fp32 AdamW), 2 CPU ranks with one thread each (gloo), or 4 ranks in 2 shard groups of 2
+(``shard_group_size=2``). What each rank's report holds is compared: ``time_measured`` (the step clock,
+budget/measured/step_time.py) against ``time_predicted`` (the step played on the engine's schedule from the first
+batch's traced work and the run's own links, timed at the end of fit: budget/predicted/run_time.py), for the step,
+its parts and each collective kind (on the wire: measured in flight from launch to completion, predicted
+``in_flight``). Variants run in turn within each repeat; the ratios are medians over repeats of rank 0's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks.bench import SETTINGS, _model, _tokens, machine
+from benchmarks.ranks import run_ranks, timing_trainer
+
+HERE = Path(__file__).resolve().parent
+VARIANTS = {"stage 1": (2, 1, None), "stage 2": (2, 2, None), "stage 3": (2, 3, None), "stage 3, 2x2 hybrid": (4, 3, 2)}
+READING = """Reading it. The step and its compute parts are priced from the first batch's traced work at rates measured
+on this machine, and land near the measurement at stages 1-3. Communication does not: on a 2-core machine gloo's
+threads that carry a collective share the two cores with the two ranks computing, so a collective launched behind
+compute progresses only between kernels; its time in flight is many times what the link takes idle (the link is
+timed at the end of fit, with nothing else running), and at stage 3 the prefetched all-gathers and the reduce-scatter
+in flight arrive late and are waited for. The 2x2 hybrid layout runs 4 ranks on 2 cores: the model gives each rank
+half the measured rate (``sharing_cores``), but the ranks' waits overlap each other's compute, so it over-predicts."""
+PARTS = ("step", "forward", "backward", "optimizer", "comm_exposed", "comm_hidden")
+
+
+def run_rank(stage: int, group: int | None, steps: int, out: str) -> dict:
+    import os
+
+    from rich.console import Console
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_shardlab import ShardLabBudget, ShardLabStrategy
+
+    setting = SETTINGS["default"]
+    world = int(os.environ["WORLD_SIZE"])
+    tokens = _tokens(setting, steps, world)
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=setting["batch"])
+    budget = ShardLabBudget(Console(file=io.StringIO()))
+    strategy = ShardLabStrategy(stage=stage, shard_group_size=group)
+    trainer = timing_trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, callbacks=[budget], default_root_dir=out
+    )
+    trainer.fit(_model(setting), loader)
+    report = budget.reports[trainer.global_rank]
+    return {k: report[k] for k in ("time_measured", "time_predicted", "time_by_collective")}
+
+
+def ratios(report: dict) -> dict[str, float]:
+    measured, predicted = report["time_measured"], report["time_predicted"]
+    out = {k: measured[k] / predicted[k] for k in PARTS if predicted.get(k)}
+    for kind, times in report["time_by_collective"].items():
+        kinds = predicted.get("by_collective", {}).get(kind, {})
+        if kinds.get("in_flight"):
+            out[f"{kind} in flight"] = (times["comm_hidden"] + times["comm_exposed"]) / kinds["in_flight"]
+        if kinds.get("exposed"):
+            out[f"{kind} exposed"] = (times["comm_exposed"] + times["waiting_for_ranks"]) / kinds["exposed"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    samples: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    for repeat in range(1 if args.quick else args.repeats):
+        for name, (world, stage, group) in VARIANTS.items():
+            kwargs = {"stage": stage, "group": group, "steps": args.steps, "out": f"/tmp/time_prediction/{repeat}"}
+            samples[name].append(run_ranks(run_rank, world, kwargs)[0])
+            print(name, {k: round(v, 3) for k, v in ratios(samples[name][-1]).items()}, flush=True)
+    text = report(samples, args)
+    print(text)
+    if not args.quick:
+        (HERE / "TIME_PREDICTION.md").write_text(text)
+
+
+def _ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1e3:.1f}"
+
+
+def report(samples: dict[str, list[dict]], args: argparse.Namespace) -> str:
+    lines = [
+        "# Time per step: measured against predicted",
+        "",
+        f"Command: `python -m benchmarks.time_prediction --repeats {args.repeats} --steps {args.steps}`"
+        f" ({time.strftime('%Y-%m-%d')}). Machine: {machine()}.",
+        "",
+        __doc__.split("\n\n", 2)[2].strip(),
+        "",
+        "| variant | part | measured ms | predicted ms | measured / predicted |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, runs in samples.items():
+        keys = sorted({k for r in runs for k in ratios(r)}, key=lambda k: (k not in PARTS, k))
+        for key in keys:
+            rs = [ratios(r)[key] for r in runs if key in ratios(r)]
+            if key in PARTS:
+                m = _ms([r["time_measured"][key] for r in runs])
+                pr = _ms([r["time_predicted"][key] for r in runs])
+            else:
+                m = pr = "-"
+            lines.append(f"| {name} | {key} | {m} | {pr} | {statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f}) |")
+    return "\n".join([*lines, "", READING]) + "\n"
+
+
+if __name__ == "__main__":
+    main()
