@@ -45,3 +45,36 @@ def test_cpu_offload_on_a_gpu_matches_the_reference(ranks: int) -> None:
     kwargs = {"world_size": ranks, "accelerator": "cuda", "devices": 1, "offload": "cpu", "ranks_per_device": ranks}
     (report, *_) = run_ranks("tests.test_trainer:gpt_parity", ranks, kwargs, timeout=300)
     assert report["world_size"] == ranks and report["masters_pinned_on_host"]
+
+
+def time_on_one_gpu(out: str) -> dict:
+    """A fit of the tiny GPT on one GPU with ShardLabBudget: what its time side reports."""
+    import io
+
+    import lightning as L
+    from rich.console import Console
+
+    from lightning_shardlab import ShardLabBudget, ShardLabStrategy
+    from tests.models.gpt import OrderedData, TinyGPT, token_dataset
+
+    torch.manual_seed(0)
+    budget = ShardLabBudget(Console(file=io.StringIO()))
+    trainer = L.Trainer(
+        accelerator="cuda", devices=1, strategy=ShardLabStrategy(stage=3, unit_bucket_params=0), max_steps=8,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, default_root_dir=out, callbacks=[budget], limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(TinyGPT(vocab=61, block_size=8, n_layer=3, n_embd=48, n_head=4), OrderedData(token_dataset(16), 1))
+    return budget.reports[0]
+
+
+def test_the_time_side_reads_the_devices_clock_on_a_gpu(tmp_path: Path) -> None:
+    """On a GPU the step clock's entries get the device's seconds (CUDA events on the compute stream,
+    comm/step_clock.py's DeviceMarks): the parts still add up to the step, and the units computed on it."""
+    from lightning_shardlab.budget.measured.step_time import ADDITIVE
+
+    (report,) = run_ranks("tests.test_gpu:time_on_one_gpu", 1, {"out": str(tmp_path)}, timeout=300)
+    measured = report["time_measured"]
+    assert abs(sum(measured[k] for k in ADDITIVE) - measured["step"]) <= 0.05 * measured["step"], measured
+    assert measured["forward"] > 0 and measured["backward"] > 0, measured
+    assert {"blocks.0", "blocks.1", "blocks.2"} <= set(report["time_by_unit"]), report["time_by_unit"]

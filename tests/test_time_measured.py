@@ -159,3 +159,47 @@ def test_one_steady_step_is_pictured_as_a_chrome_trace_with_a_process_per_rank(r
     assert {e["pid"] for e in complete} == {0, 1}
     names = [e for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
     assert len(names) == 2
+
+
+@pytest.mark.quick
+def test_on_a_gpu_the_parts_are_the_devices_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU path's arithmetic, here with a stand-in for CUDA events that each run 1 ms after the last (the
+    device's clock, not the host's): forward, backward and the optimizer are the spans between the events, the
+    loader's time stays the host's, and the parts still add up to the step."""
+    from lightning_shardlab.budget.measured.step_time import TimeMeter
+    from lightning_shardlab.comm import step_clock
+    from lightning_shardlab.comm.collectives import Comm
+
+    class Event:
+        now = 0.0
+
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+
+        def record(self) -> None:
+            Event.now += 1e-3
+            self.at = Event.now
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, later: Event) -> float:
+            return (later.at - self.at) * 1e3  # ms, as torch's
+
+    monkeypatch.setattr(step_clock.torch.cuda, "Event", Event)
+    meter = TimeMeter(Comm(rank=0, world_size=1, device=torch.device("cuda")))
+    clock = meter.clock
+    for _ in range(2):  # forward (outside the unit, the unit, outside again), backward, optimizer: 1 ms each
+        clock.phase("forward")
+        clock.enter("forward", "blocks.0")
+        clock.leave("blocks.0")
+        clock.phase("backward")
+        clock.phase("optimizer")
+        meter.end_step()
+    report = meter.report()
+    measured = report["time_measured"]
+    assert measured["forward"] == pytest.approx(3e-3) and measured["backward"] == pytest.approx(1e-3)
+    assert measured["optimizer"] == pytest.approx(1e-3)
+    assert report["time_by_unit"]["blocks.0"]["forward"] == pytest.approx(1e-3)
+    assert sum(measured[k] for k in ADDITIVE) == pytest.approx(measured["step"])
+    meter.stop()

@@ -18,6 +18,13 @@ rank of its group arrived is ``waiting_for_ranks`` (no data could have come soon
 rank did something else: from its launch returning to the first of its completion (its works' futures'
 callbacks note when, on gloo's threads; else ``Work.is_completed``, polled at each event) or its wait.
 
+On a GPU the host's seams are not the device's time: kernels run after the host queued them, and a collective's
+``wait()`` on NCCL returns once the compute stream is told to wait. There ``DeviceMarks`` records a CUDA event on the
+current (compute) stream at every change too, so each (phase, unit) and each wait also gets the device's seconds:
+the span between two events is what the stream ran for that entry, and the span across a wait is how long the
+compute stream stalled for the collective. The events are read once per exchange (the last one waited for: one
+host sync per window of steps, while the budget measures).
+
 Clocks: times leave the rank as wall-clock seconds (``perf_counter`` + this process's offset to
 ``time.time()``, read once). Ranks on one machine read one clock, so their times line up to the reading's
 jitter (microseconds); across machines they line up as well as the hosts' clocks are synchronised (NTP: about
@@ -32,6 +39,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 BLOCKED = "blocked"
@@ -71,6 +80,29 @@ class CallTimes:
         return self.completed is not None
 
 
+class DeviceMarks:
+    """A CUDA event on the current stream at each change of a step's clock: the device's seconds per entry."""
+
+    def __init__(self) -> None:
+        self._marks: list[tuple[tuple[str, str | None] | None, Any]] = []  # (what ran up to it, its event)
+        self.mark(None)
+
+    def mark(self, ran: tuple[str, str | None] | None) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._marks.append((ran, event))
+
+    def seconds(self) -> dict[tuple[str, str | None], float]:
+        """The device's seconds by entry (waits for the last event: a host sync)."""
+        out: dict[tuple[str, str | None], float] = defaultdict(float)
+        if len(self._marks) < 2:
+            return out
+        self._marks[-1][1].synchronize()
+        for (_, before), (ran, after) in zip(self._marks, self._marks[1:]):
+            out[ran] += before.elapsed_time(after) / 1e3  # ms -> seconds
+        return out
+
+
 @dataclass
 class StepTimes:
     """One step of one rank: seconds by (category, subject), its calls, and (if recorded) its events."""
@@ -80,12 +112,14 @@ class StepTimes:
     events: list[tuple[str, str | None, float, float]] | None  # (category, subject, start, end), perf_counter
     start: float
     end: float
+    device: DeviceMarks | None = None  # on a GPU: the same entries' seconds on the device
 
 
 class StepClock:
     """The stack of what this rank's main thread is doing, and the seconds each thing took this step."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.on_gpu = device is not None and device.type == "cuda"
         self.wall_offset = time.time() - time.perf_counter()  # perf_counter -> wall-clock seconds
         self.record = False  # keep this step's events (for the timeline picture)
         self.steps: list[StepTimes] = []  # finished steps since the last take()
@@ -99,11 +133,14 @@ class StepClock:
         self._calls: list[CallTimes] = []
         self._in_flight: list[CallTimes] = []
         self._events: list[tuple[str, str | None, float, float]] | None = [] if self.record else None
+        self._device = DeviceMarks() if self.on_gpu else None
 
     def _switch(self) -> float:
         now = time.perf_counter()
         top = self._stack[-1]
         self._seconds[top] += now - self._since
+        if self._device is not None:
+            self._device.mark(top)
         if self._events is not None and now > self._since:
             self._events.append((*top, self._since, now))
         self._since = now
@@ -123,7 +160,7 @@ class StepClock:
         now = self._switch()
         for call in self._in_flight:
             call.completed = call.completed or now
-        step = StepTimes(dict(self._seconds), self._calls, self._events, self._start, now)
+        step = StepTimes(dict(self._seconds), self._calls, self._events, self._start, now, self._device)
         self.steps.append(step)
         self._begin(now)
         self._stack[0] = ("data", None)

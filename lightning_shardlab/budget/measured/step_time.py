@@ -3,7 +3,7 @@
 ``TimeMeter`` runs a ``StepClock`` (comm/step_clock.py, [Note: the step clock]) on the run's world Comm and,
 every ``every`` steps, exchanges what each rank lived in those steps (one ``all_gather_object``, filed under
 "budget"): when it reached each collective, when it was blocked on it, its seconds per unit. From that every
-rank computes the same figures for every rank:
+rank computes the same figures for every rank (on a GPU the device's seconds: ``on_the_device``):
 
     forward, backward   the units computing (by unit in ``time_by_unit``; recomputation counts in backward)
     optimizer           from the optimizer's step (after the closure) to the end of the step
@@ -35,6 +35,21 @@ EVERY = 5  # steps between exchanges: a straggler is named after two windows, wi
 def _overlap_before(intervals: list[list[float]], t: float) -> float:
     """Seconds of ``intervals`` ([start, end] pairs) that lie before ``t``."""
     return sum(max(0.0, min(end, t) - start) for start, end in intervals)
+
+
+def on_the_device(step: StepTimes) -> float:
+    """On a GPU, put the device's seconds in ``step.seconds`` (the loader's stay the host's) and return by how much
+    the device's blocked time scales the host's (each call's waits are split as the host saw them); 1 on a CPU."""
+    if step.device is None:
+        return 1.0
+    device = step.device.seconds()
+    host_blocked = sum(s for (c, _), s in step.seconds.items() if c == BLOCKED)
+    for key in set(step.seconds) | set(device):
+        if key[0] not in ("data", "other"):
+            step.seconds[key] = device.get(key, 0.0)
+    step.end = step.start + sum(step.seconds.values())  # the device's span and the loader's
+    device_blocked = sum(s for (c, _), s in step.seconds.items() if c == BLOCKED)
+    return device_blocked / host_blocked if host_blocked > 0 else 0.0
 
 
 def step_summary(step: StepTimes, offset: float, world: int) -> dict[str, Any]:
@@ -80,7 +95,7 @@ class TimeMeter:
 
     def __init__(self, comm: Comm, every: int = EVERY, picture_step: int = 2) -> None:
         self.comm, self.every, self.picture_step = comm, every, picture_step
-        self.clock = StepClock()
+        self.clock = StepClock(comm.device)
         comm.clock = self.clock
         self.stragglers = Stragglers(comm.world_size)
         self.clock.stragglers = self.stragglers.named  # the guard warns of them (guard/sanity_guard.py)
@@ -109,17 +124,18 @@ class TimeMeter:
         if not self._pending:
             return
         offset, world = self.clock.wall_offset, self.comm.world_size
+        scales = [on_the_device(s) for s in self._pending]
         mine = [step_summary(s, offset, world) for s in self._pending]
         everyone = collectives.all_gather_object(mine, self.comm, label="step clock", kind="budget")
         summaries = []
         for i, step in enumerate(self._pending):
             ranks = [e[i] for e in everyone]
             summaries.append(WindowSummary(ranks, [waiting_by_call(ranks, r) for r in range(world)]))
-            self._account(step, ranks, summaries[-1].waits[self.comm.rank])
+            self._account(step, ranks, summaries[-1].waits[self.comm.rank], scales[i])
         self.stragglers.window(summaries)
         self._pending = []
 
-    def _account(self, step: StepTimes, everyone: list[dict[str, Any]], waits: list[float]) -> None:
+    def _account(self, step: StepTimes, everyone: list[dict[str, Any]], waits: list[float], scale: float) -> None:
         self.steps += 1
         rank = self.comm.rank
         for (category, subject), seconds in step.seconds.items():
@@ -131,8 +147,8 @@ class TimeMeter:
         for call, waiting in zip(step.calls, waits):
             blocked = sum(e - s for s, e in call.blocked)
             entry = self.by_collective[call.kind]
-            entry["waiting_for_ranks"] += waiting
-            entry["comm_exposed"] += blocked - waiting
+            entry["waiting_for_ranks"] += waiting * scale
+            entry["comm_exposed"] += (blocked - waiting) * scale
             entry["comm_hidden"] += _hidden(call)
         self.totals["step"] += step.end - step.start
         if step.events is not None:
