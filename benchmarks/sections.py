@@ -11,6 +11,7 @@ MARKERS = {
     "whole_tensor": ("<!-- whole_tensor: begin -->", "<!-- whole_tensor: end -->"),
     "activations_cost": ("<!-- activations_cost: begin -->", "<!-- activations_cost: end -->"),
     "time_cost": ("<!-- time_cost: begin -->", "<!-- time_cost: end -->"),
+    "stage_3_time": ("<!-- stage_3_time: begin -->", "<!-- stage_3_time: end -->"),
 }
 
 

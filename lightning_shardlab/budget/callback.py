@@ -92,13 +92,10 @@ class ShardLabBudget(L.Callback):
         self.activations: ActivationMeter | None = None  # what each training step saves for backward, by unit
         self.step_peak: StepPeak | None = None  # the profiled step's peak by phase, while it runs
         self._clone: torch.nn.Module | None = None  # the module on the meta device, taken before sharding
-        self.predicted_activations: dict[
-            str, Any
-        ] = {}  # its first batch traced (budget/predicted/activation_prediction.py)
-        self.predicted_timeline: Any = None  # ... and run on the engine's schedule (budget/predicted/step_timeline.py)
-        self.predicted_optimizer: Any = (
-            None  # the optimizers' step under fake tensors (budget/predicted/optimizer_peak.py)
-        )
+        self.predicted_activations: dict[str, Any] = {}  # its first batch traced (predicted/activation_prediction.py)
+        self.predicted_timeline: Any = None  # ... and run on the engine's schedule (predicted/step_timeline.py)
+        self.predicted_optimizer: Any = None  # the optimizers' step under fake tensors (predicted/optimizer_peak.py)
+        self.predicted_work: Any = None  # the first batch's work by unit (predicted/compute_trace.py)
         self.peaks: dict[str, dict[str, Any]] = {}
 
     # ---- a Fabric loop ----

@@ -79,9 +79,8 @@ class Measured:
     steps: int
     storage_io: list[float]  # bytes read, bytes written, seconds in offloaded steps (all steps together)
     activations: dict[str, Any]  # saved for backward at the peak forward, by unit (budget/measured/activations.py)
-    step_peak: dict[
-        str, dict[str, Any]
-    ]  # the first steady step's peak of tensor memory by phase (budget/measured/step_peak.py)
+    # the first steady step's peak of tensor memory by phase (budget/measured/step_peak.py)
+    step_peak: dict[str, dict[str, Any]]
 
 
 def rank_report(run: Run, measured: Measured) -> dict[str, Any]:

@@ -14,8 +14,8 @@ or, with options,
         init_args: {stage: 2}
 
 See ``configs/gpt_*.yaml`` for complete examples. The other subcommands are tools (``plan.py`` here is
-``shardlab plan``, its tables in ``plan_tables.py``; the checkpoint tools' ``main`` live beside their code in
-checkpoint/):
+``shardlab plan``, its tables in ``plan_tables.py``; ``__main__.py`` runs the command as ``python -m
+lightning_shardlab.cli``; the checkpoint tools' ``main`` live beside their code in checkpoint/):
 
     shardlab plan --params 70e9 --world-size 64 --stage 3      # the budget before the hardware
     shardlab consolidate SRC DST                               # a sharded checkpoint -> one plain Lightning file
@@ -92,7 +92,3 @@ def main(argv: list[str] | None = None) -> None:
         save_config_kwargs={"overwrite": True},
         args=argv,
     )
-
-
-if __name__ == "__main__":
-    main()

@@ -71,12 +71,15 @@ class CallTimes:
                 return
 
     def poll(self, now: float) -> bool:
-        """True once complete (and notes when: its last work's callback, or the first event that saw it)."""
+        """True once complete (and notes when: its last work's callback, or the first event that saw it). A
+        complete call lets go of its works: they hold its tensors, which must not outlive the engine's use."""
         if self.completed is None and self.works:
             if len(self.done) == len(self.works):
                 self.completed = max(self.done)
             elif all(w.is_completed() for w in self.works):
                 self.completed = max(self.done) if len(self.done) == len(self.works) else now
+        if self.completed is not None:
+            self.works = []
         return self.completed is not None
 
 
@@ -160,6 +163,7 @@ class StepClock:
         now = self._switch()
         for call in self._in_flight:
             call.completed = call.completed or now
+            call.works = []
         step = StepTimes(dict(self._seconds), self._calls, self._events, self._start, now, self._device)
         self.steps.append(step)
         self._begin(now)
@@ -224,7 +228,7 @@ class StepClock:
         self._stack.pop()
         call.blocked.append((since, now))
         call.poll(now)
-        call.completed = min(call.completed or now, now)
+        call.completed, call.works = min(call.completed or now, now), []
         if call in self._in_flight:
             self._in_flight.remove(call)
 
