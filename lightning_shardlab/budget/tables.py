@@ -51,8 +51,8 @@ def time_table(everyone: list[dict[str, Any]]) -> Table:
     table = Table(
         title=f"shardlab budget: time per optimizer step ({first.get('time_steps', 0)} steps), ms,"
         " measured (predicted)",
-        caption="step = forward + backward + optimizer + data + comm_exposed + waiting_for_ranks;"
-        " comm_hidden is in flight while computing (overlapped, not added)",
+        caption="forward + backward + optimizer + data + comm exposed + waiting for ranks = the step;"
+        " comm hidden is in flight while computing (overlapped, not added)",
     )
     for col in ("rank", *TIME_COLUMNS):
         table.add_column(col.replace("_", " "), justify="right")
