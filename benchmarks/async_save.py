@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench import SETTINGS, _model, _tokens, machine
-from benchmarks.ranks import interleaved, run_ranks, save_report, timing_trainer
+from benchmarks.ranks import interleaved, run_ranks, save_report, timed, timing_trainer
 
 WORLD = 2
 VARIANTS = {"sync": False, "async": True}
@@ -38,18 +38,8 @@ def run_rank(variant: str, setting_name: str, saves: int, directory: str) -> dic
 
     setting, stalls, steps, model_file_seconds = SETTINGS[setting_name], [], [], []
 
-    def timed(fn):  # noqa: ANN001, ANN202
-        def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                model_file_seconds.append(time.perf_counter() - started)
-
-        return run
-
-    model_file.write_skeleton = timed(model_file.write_skeleton)
-    model_file.write_slices = timed(model_file.write_slices)
+    model_file.write_skeleton = timed(model_file.write_skeleton, model_file_seconds.append)
+    model_file.write_slices = timed(model_file.write_slices, model_file_seconds.append)
 
     class SaveEveryOther(L.Callback):
         def on_train_batch_start(self, *args) -> None:  # noqa: ANN002

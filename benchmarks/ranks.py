@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -74,3 +75,16 @@ def save_report(out: str, samples: dict[str, list[dict]], text: str) -> None:
     Path(out).with_suffix(".json").write_text(json.dumps(samples, indent=1))
     Path(out).write_text(text + "\n")
     print(text)
+
+
+def timed(fn: Callable[..., Any], record: Callable[[float], Any]) -> Callable[..., Any]:
+    """``fn``, with the seconds each call spends inside handed to ``record`` (also when it raises)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - started)
+
+    return run

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench import SETTINGS, _model, _tokens
-from benchmarks.ranks import run_ranks
+from benchmarks.ranks import run_ranks, timed
 from benchmarks.sections import MARKERS, replace_section
 
 HERE = Path(__file__).resolve().parent
@@ -39,19 +39,12 @@ def _timed_meter(comm):  # noqa: ANN001, ANN202
     meter = TimeMeter(comm)
     meter.inside = 0.0
 
-    def timed(fn):  # noqa: ANN001, ANN202
-        def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                meter.inside += time.perf_counter() - started
-
-        return run
+    def add(seconds: float) -> None:
+        meter.inside += seconds
 
     for name in CLOCK_METHODS:
-        setattr(meter.clock, name, timed(getattr(meter.clock, name)))
-    meter.exchange = timed(meter.exchange)
+        setattr(meter.clock, name, timed(getattr(meter.clock, name), add))
+    meter.exchange = timed(meter.exchange, add)
     return meter
 
 
