@@ -99,13 +99,14 @@ def phase_peaks(profiler: Any, at_start: int, freed: list[tuple[int, int]]) -> d
     step's allocations (+) and frees (-), ``freed`` among them, at its largest inside the phase."""
     from torch.profiler._memory_profiler import _EventType
 
-    windows, changes = {}, []
+    windows, allocations = {}, []
     for event in profiler._memory_profile()._op_tree.dfs():
         name = _name(event)
         if name.startswith("shardlab::phase "):
             windows[name.removeprefix("shardlab::phase ")] = (event.start_time_ns, event.end_time_ns)
         elif event.typed[0] == _EventType.Allocation and event.typed[1].device.type == "cpu":
-            changes.append((event.start_time_ns, event.typed[1].alloc_size))
+            allocations.append((event.start_time_ns, event.typed[1].ptr, event.typed[1].alloc_size))
+    changes = _made_here(allocations)
     begin = min((start for start, _ in windows.values()), default=0)
     changes = sorted(change for change in [*changes, *freed] if change[0] >= begin)
     times = [t for t, _ in changes]
@@ -115,6 +116,25 @@ def phase_peaks(profiler: Any, at_start: int, freed: list[tuple[int, int]]) -> d
         lo, hi = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
         made = max([running[lo - 1] if lo else 0, *running[lo:hi]])
         out[name] = {"peak": at_start + made, "by_category": {"live at the step's start": at_start, "made in it": made}}
+    return out
+
+
+def _made_here(allocations: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """(ns, bytes) of the profiled allocations, and of the frees of blocks allocated while it ran. [Note: stale
+    sizes] torch's CPU allocator remembers a block's size when it is allocated under a profiler and forgets it only
+    when it is freed under one; a block made under an earlier profiler (another fit's profiled step in the same
+    process) and freed without one leaves its address behind, and a later block at that address, live at this
+    step's start, is reported freed with the old size. Those frees are the watched storages' (``freed``), timed
+    by their finalizers: counting the profiler's too would count them twice, at a stale size."""
+    made, out = set(), []
+    for ns, ptr, nbytes in sorted(allocations):
+        if nbytes > 0:
+            made.add(ptr)
+        elif ptr not in made:
+            continue
+        else:
+            made.discard(ptr)
+        out.append((ns, nbytes))
     return out
 
 
