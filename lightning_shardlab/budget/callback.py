@@ -280,9 +280,10 @@ class ShardLabBudget(L.Callback):
     def _log(self, run: Run) -> None:
         """One small all-gather: every rank's figures, logged by rank 0 as shardlab/rank{r}/..."""
         sharded = run.sharded
-        mine = torch.tensor([float(self.last[k]) for k in STEP_KEYS], dtype=torch.float64, device=sharded.comm.device)
-        everyone = torch.empty(len(STEP_KEYS) * sharded.comm.world_size, dtype=mine.dtype, device=mine.device)
-        collectives.all_gather(everyone, mine, sharded.comm, label="per-rank figures", kind="budget")
+        comm = sharded.comm.host_side  # host figures: no device copy (comm/host_side.py)
+        mine = torch.tensor([float(self.last[k]) for k in STEP_KEYS], dtype=torch.float64)
+        everyone = torch.empty(len(STEP_KEYS) * comm.world_size, dtype=mine.dtype)
+        collectives.all_gather(everyone, mine, comm, label="per-rank figures", kind="budget")
         if run.logger is None or run.rank != 0:
             return
         rows = everyone.view(sharded.comm.world_size, len(STEP_KEYS)).tolist()

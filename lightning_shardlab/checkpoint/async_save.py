@@ -74,8 +74,8 @@ class AsyncSaver:
         rank's background write has ended (one all-reduce, min, of a one-element flag over ``comm``)."""
         if self._thread is None:
             return
-        flag = torch.tensor([int(not self._thread.is_alive())], dtype=torch.int32, device=comm.device)
-        if collectives.all_reduce(flag, comm, op="min", label="async save written").item():
+        flag = torch.tensor([int(not self._thread.is_alive())], dtype=torch.int32)  # a host fact, on the host side
+        if collectives.all_reduce(flag, comm.host_side, op="min", label="async save written").item():
             self.wait()
 
     def after(self, fn: Callable[[], None]) -> None:

@@ -3,6 +3,8 @@
     collectives.py      ``Comm`` (a process group with its ledger and observers) and the collectives, sync or async
     call.py             ``CollectiveCall`` (one collective as every rank must issue it) and its observers
     mesh.py             the groups of hybrid sharding: world, shard group, replica group, reshard group
+    host_side.py        each NCCL group's gloo twin: host facts and objects travel without touching the device
+    host_reads.py       the one seam where the host reads a device value (a wait for its queue), counted
     transport.py        launching on torch.distributed: one ``Launched`` per call, waited once
     transport_probe.py  which transport each collective takes on gloo, timed once at setup
     link_probe.py       this machine's link between two gloo ranks, timed (``shardlab plan --interconnect local``)

@@ -54,6 +54,7 @@ class Comm:
     partition: tuple[tuple[int, ...], ...] | None = None
     parent: Comm | None = None
     clock: StepClock | None = None  # where this rank's time goes (comm/step_clock.py), while someone measures it
+    host: Comm | None = None  # NCCL: the same ranks on gloo, for host tensors (comm/host_side.py)
 
     @property
     def backend(self) -> str:
@@ -65,6 +66,11 @@ class Comm:
     def stages_through_cpu(self) -> bool:
         """gloo cannot reduce CUDA tensors: ranks sharing a GPU stage them through host memory."""
         return self.backend == "gloo" and self.device.type == "cuda"
+
+    @property
+    def host_side(self) -> Comm:
+        """Where host tensors and objects travel without touching the device's queue (comm/host_side.py)."""
+        return self.host or self
 
     @property
     def headers(self) -> Headers | None:
@@ -357,6 +363,7 @@ def all_gather_object(obj: Any, comm: Comm, label: str = "", kind: str = "all_ga
     """Every rank's ``obj`` (picklable), in rank order, on every rank (``kind``: what the ledger files it under)."""
     if comm.world_size == 1:
         return [obj]
+    comm = comm.host_side
     call = comm.start(kind, label, None)
     started = time.perf_counter()
     with comm.blocking(), comm.timed(kind, label):
@@ -371,6 +378,7 @@ def all_gather_object(obj: Any, comm: Comm, label: str = "", kind: str = "all_ga
 
 def barrier(comm: Comm, label: str = "") -> None:
     if comm.world_size > 1:
+        comm = comm.host_side
         call = comm.start("barrier", label, None)
         started = time.perf_counter()
         with comm.blocking(), comm.timed("barrier", label):
@@ -385,6 +393,7 @@ def broadcast_object(obj: Any, comm: Comm, src: int = 0) -> Any:
     """Rank ``src``'s ``obj`` (picklable) on every rank."""
     if comm.world_size == 1:
         return obj
+    comm = comm.host_side
     call = comm.start("broadcast_object", "", None)
     started = time.perf_counter()
     with comm.blocking(), comm.timed("broadcast_object", ""):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from lightning_shardlab.comm.collectives import Comm
+from lightning_shardlab.comm.host_side import open_host_side
 
 SCOPES = {
     "world": "every rank",
@@ -81,8 +82,14 @@ class Mesh:
 
     @staticmethod
     def flat(world: Comm) -> Mesh:
-        """Plain sharding: the world shards the model, no replicas."""
-        return Mesh(world, world, _no_replicas(world), world)
+        """Plain sharding: the world shards the model, no replicas. Collective on NCCL (the host side)."""
+        return Mesh(world, world, _no_replicas(world), world).with_host_sides()
+
+    def with_host_sides(self) -> Mesh:
+        """Collective: each NCCL group's gloo twin for host tensors (comm/host_side.py), every rank in this order."""
+        for comm in self.comms():
+            open_host_side(comm)
+        return self
 
     @staticmethod
     def build(world: Comm, shard_group_size: int, reshard_size: int | None = None) -> Mesh:
@@ -96,7 +103,7 @@ class Mesh:
         reshard = shard
         if reshard_size is not None and reshard_size < g:
             reshard = _sub(world, "reshard", shard_groups(w, reshard_size))
-        return Mesh(world, shard, replica, reshard)
+        return Mesh(world, shard, replica, reshard).with_host_sides()
 
 
 def _no_replicas(world: Comm) -> Comm:

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from lightning_shardlab.comm.host_reads import wait_for
+
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 BLOCKED = "blocked"
 
@@ -100,7 +102,7 @@ class DeviceMarks:
         out: dict[tuple[str, str | None], float] = defaultdict(float)
         if len(self._marks) < 2:
             return out
-        self._marks[-1][1].synchronize()
+        wait_for(self._marks[-1][1], "step clock")
         for (_, before), (ran, after) in zip(self._marks, self._marks[1:]):
             out[ran] += before.elapsed_time(after) / 1e3  # ms -> seconds
         return out

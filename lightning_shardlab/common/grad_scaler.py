@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_shardlab.comm import collectives
+from lightning_shardlab.comm.host_reads import to_host
 
 if TYPE_CHECKING:
     from lightning_shardlab.sharding.sharded_model import ShardedModel
@@ -51,7 +52,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         anywhere = collectives.all_reduce(
             anywhere.to(self.sharded.comm.device), self.sharded.comm, op="max", label="loss scale overflow"
         )
-        self._overflow[id(optimizer)] = bool(anywhere.item())
+        self._overflow[id(optimizer)] = bool(
+            to_host(anywhere, "loss scale overflow").item()
+        )  # torch's scaler reads it too
         for flag in found.values():
             flag.copy_(anywhere)
         return found or {found_inf.device: found_inf.copy_(anywhere)}

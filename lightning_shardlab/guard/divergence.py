@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.collectives import Comm
+from lightning_shardlab.comm.host_reads import to_host
 from lightning_shardlab.comm.mismatch import SanityError
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
@@ -116,7 +117,9 @@ def local_statistics(module: nn.Module) -> set[str]:
 def optimizer_group_state(optimizer: Optimizer, group: dict) -> dict:
     """A param group's hyperparameters (lr, betas, weight decay, ...) and its distinct step counters."""
     hyper = {
-        k: (v.item() if isinstance(v, Tensor) and v.numel() == 1 else v) for k, v in group.items() if k != "params"
+        k: (to_host(v, "sanity hyperparameters").item() if isinstance(v, Tensor) and v.numel() == 1 else v)
+        for k, v in group.items()
+        if k != "params"
     }
     steps = {float(optimizer.state[p]["step"]) for p in group["params"] if "step" in optimizer.state.get(p, {})}
     return {"hyperparameters": hyper, "steps": sorted(steps)}
@@ -175,7 +178,7 @@ def check_replicated(
     )  # 1-D, entries * 2
     everyone = torch.empty(comm.world_size * mine.numel(), dtype=torch.int64, device=comm.device)
     collectives.all_gather(everyone, mine, comm, label="sanity replicated state", kind="sanity")
-    digests = everyone.view(comm.world_size, len(entries), 2).cpu()  # (world, entries, 2)
+    digests = to_host(everyone, "sanity replicated state").view(comm.world_size, len(entries), 2)
     peers = sharded.mesh.replica.partition or ((),)  # replica group s holds shard s
     for i, entry in enumerate(entries):
         for s, ranks in enumerate(peers) if entry.among_replicas else [(None, tuple(range(comm.world_size)))]:
@@ -191,7 +194,7 @@ def _name_divergence(sharded: ShardedModel, entry: Replicated, ranks: tuple[int,
     """Collective (every rank reaches it: the digests are the same everywhere): exchange the differing entry
     and raise ``DivergenceError`` naming the odd rank(s) among ``ranks``, the entry and the first element."""
     comm = sharded.comm
-    value = entry.value.detach().cpu() if isinstance(entry.value, Tensor) else entry.value
+    value = to_host(entry.value.detach(), "sanity divergence") if isinstance(entry.value, Tensor) else entry.value
     everyone = collectives.all_gather_object(value, comm, label="sanity replicated state")
     odd, reference = odd_ranks([tuple(d.tolist()) for d in rows])
     among = ranks if entry.among_replicas else None
@@ -289,7 +292,8 @@ def _dict_difference(ref: dict, other: dict, rank: int, reference: int) -> str:
 def batch_digest(batch: Any, device: torch.device) -> Tensor:
     """16 bytes of a batch (any nesting of tensors and plain values). 1-D int64, numel 2."""
     parts = [
-        tensor_digest(x).cpu() if isinstance(x, Tensor) else value_digest(repr(x)) for x in pytree.tree_leaves(batch)
+        to_host(tensor_digest(x), "sanity data") if isinstance(x, Tensor) else value_digest(repr(x))
+        for x in pytree.tree_leaves(batch)
     ]
     return value_digest([p.tolist() for p in parts]).to(device)
 
@@ -303,7 +307,7 @@ def check_distinct_batches(batch: Any, comm: Comm, when: str = "") -> None:
     everyone = torch.empty(comm.world_size * 2, dtype=torch.int64, device=comm.device)
     collectives.all_gather(everyone, mine, comm, label="sanity data", kind="sanity")
     groups: dict[tuple, list[int]] = {}
-    for rank, digest in enumerate(everyone.view(-1, 2).cpu().tolist()):
+    for rank, digest in enumerate(to_host(everyone, "sanity data").view(-1, 2).tolist()):
         groups.setdefault(tuple(digest), []).append(rank)
     same = [ranks for ranks in groups.values() if len(ranks) > 1]
     if same:

@@ -72,9 +72,9 @@ def check_fingerprints(comm: Comm, recorder: FingerprintRecorder, when: str = ""
     since the last check. One all-gather of 2 int64 per rank; a second exchange only on a mismatch."""
     if comm.world_size == 1:
         return
-    mine = recorder.summary().to(comm.device)
-    everyone = torch.empty(comm.world_size * 2, dtype=torch.int64, device=comm.device)  # 1-D, world * 2
-    collectives.all_gather(everyone, mine, comm, label="sanity fingerprints", kind="sanity")
+    mine = recorder.summary()  # a host fact: it travels on the host side (comm/host_side.py)
+    everyone = torch.empty(comm.world_size * 2, dtype=torch.int64)  # 1-D, world * 2
+    collectives.all_gather(everyone, mine, comm.host_side, label="sanity fingerprints", kind="sanity")
     if bool((everyone.view(-1, 2) == mine).all()):
         recorder.clear()
         return

@@ -309,6 +309,9 @@ class ShardedModel:
             headers.explain = functools.partial(
                 divergent_units.explain, self.module, units, bool(self.config.unit_classes)
             )
+        for comm in self.mesh.comms():  # NCCL's host sides (comm/host_side.py): small host tensors, on the wire
+            if comm.host is not None:
+                collectives.enable_verification(comm.host)
 
     def broadcast_buffers(self) -> None:
         """Give every rank rank 0's buffers: one broadcast per buffer dtype (DDP's broadcast_buffers)."""

@@ -3,11 +3,13 @@
 Each unit notes, in its post-backward, which of its parameters got a gradient on this rank (``Unit.used``,
 one bool per parameter, accumulated over the micro-batches of a step). At the end of backward the ranks
 agree: one all-reduce (max) of those bits, launched before the last reductions are waited for, so it
-travels while they do. A parameter that no rank used keeps a ``None`` gradient (the optimizer skips it: no
-weight decay, no momentum), one that some rank used gets the averaged gradient (zeros from the ranks that
-did not use it), exactly as on one device and under DDP. ``find_unused_parameters=False`` skips the
-all-reduce: every parameter of a unit that ran backward then counts as used (a zero gradient), and a
-warning names those that got none. Nothing here is unit-specific beyond the bits it is handed.
+travels while they do. The bits are host facts and stay host tensors: on NCCL they travel on the group's gloo
+twin (comm/host_side.py), so the device's queue is neither waited for nor touched. A parameter that no rank
+used keeps a ``None`` gradient (the optimizer skips it: no weight decay, no momentum), one that some rank used
+gets the averaged gradient (zeros from the ranks that did not use it), exactly as on one device and under DDP.
+``find_unused_parameters=False`` skips the all-reduce: every parameter of a unit that ran backward then counts as
+used (a zero gradient), and a warning names those that got none. Nothing here is unit-specific beyond the bits
+it is handed.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ class UsageAgreement:
             if local:
                 _warn_unused(units, comm.rank, warned)
             return UsageAgreement(units, None, None)
-        bits = torch.cat(local).to(comm.device, torch.int32)  # 1-D, one per parameter of these units
+        bits = torch.cat(local).to(torch.int32)  # 1-D, one per parameter of these units: a host tensor
         return UsageAgreement(
-            units, bits, collectives.launch_all_reduce(bits, comm, op="max", label="unused parameters")
+            units, bits, collectives.launch_all_reduce(bits, comm.host_side, op="max", label="unused parameters")
         )
 
     def result(self) -> list[list[Tensor]]:
@@ -48,7 +50,7 @@ class UsageAgreement:
             agreed = [torch.ones_like(u) for u in local]
         else:
             self.pending.wait()
-            agreed = list(self.bits.cpu().bool().split([u.numel() for u in local]))
+            agreed = list(self.bits.bool().split([u.numel() for u in local]))
         out, i = [], 0
         for unit in self.units:
             out.append(agreed[i : i + len(unit.used)])

@@ -48,6 +48,7 @@ from torch.optim import Optimizer
 from torch.utils import _pytree as pytree
 
 from lightning_shardlab.comm import collectives
+from lightning_shardlab.comm.host_reads import to_host
 from lightning_shardlab.core.config import check_int, check_positive
 from lightning_shardlab.sharding.lookup import sharded_model_of
 from lightning_shardlab.vitals.dashboard import VitalsHistory, write_dashboard
@@ -92,7 +93,7 @@ class ActivationStats:
                 return
             with torch.no_grad():
                 x = x.detach().float()
-                stats = torch.stack([x.mean(), x.std(correction=0), x.abs().max()]).tolist()
+                stats = to_host(torch.stack([x.mean(), x.std(correction=0), x.abs().max()]), "vitals").tolist()
             acc = self.sums.setdefault(name, [0.0, 0.0, 0.0, 0.0])
             acc[0] += 1
             acc[1] += stats[0]
@@ -368,11 +369,11 @@ class ShardLabVitals(L.Callback):
         comm = self.sharded.comm
         out = torch.empty(comm.world_size * row.numel(), dtype=row.dtype, device=comm.device)
         collectives.all_gather(out, row.to(comm.device), comm, label="vital signs", kind="vitals")
-        return out.view(comm.world_size, -1).cpu()
+        return to_host(out, "vitals").view(comm.world_size, -1)
 
     def _gather(self, trainer: L.Trainer, row: Tensor) -> Tensor:
         """Every rank's row on every rank: (world, row), CPU."""
         if self.sharded is not None:
             return self._gather_comm(row)
         gathered = trainer.strategy.all_gather(row.to(trainer.strategy.root_device))
-        return gathered.reshape(trainer.world_size, -1).cpu()
+        return to_host(gathered, "vitals").reshape(trainer.world_size, -1)
