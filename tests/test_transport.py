@@ -126,3 +126,51 @@ def test_ranks_that_part_are_named_whatever_the_sizes(case: str) -> None:
     for rank, message in enumerate(messages):
         assert message.startswith(f"[rank {rank}] collective #0 differs across ranks (verified before it ran)"), message
     assert messages[0].split(": ", 1)[1] == messages[1].split(": ", 1)[1]
+
+
+# ---- NCCL's verification, run on gloo: the headers travel beside each call and are checked at its wait ----
+
+
+def headers_beside_the_call() -> dict:
+    """The header exchange NCCL uses (``deferred``: launched beside the call, checked when it is waited for), on
+    gloo with payloads of one size (gloo itself would abort on two). Rank 1 launches only once rank 0's launch
+    has returned (a store key): a launch that waited for the headers would never return."""
+    import torch.distributed as dist
+
+    from lightning_shardlab.comm.mismatch import CollectiveMismatch
+    from lightning_shardlab.comm.verify import HeaderExchange, Headers
+    from lightning_shardlab.guard.side_channel import default_store
+
+    comm = init_from_env()
+    headers = Headers(comm.rank, comm.world_size)
+    comm.header_exchange = HeaderExchange.open(headers, twin=dist.new_group(backend="gloo"))
+    store, out = default_store(), {}
+    shard, full = torch.full((4,), float(comm.rank)), torch.empty(8)
+    try:
+        if comm.rank == 1:
+            store.wait(["rank 0 launched"])
+        pending = collectives.all_gather(full, shard, comm, label="blocks.0", async_op=True)
+        if comm.rank == 0:
+            store.set("rank 0 launched", "1")
+        pending.wait()
+        out["gathered"] = full.tolist()
+        label = "blocks.1" if comm.rank == 0 else "blocks.2"  # the ranks part: same size, other units
+        try:
+            collectives.all_gather(full, shard, comm, label=label, async_op=True).wait()
+            out["mismatch"] = "not caught"
+        except CollectiveMismatch as err:
+            out["mismatch"] = str(err)
+        out["verify_calls"] = comm.ledger.by_call[("world", "verify", "")].count
+    finally:
+        shutdown()
+    return out
+
+
+def test_nccls_headers_travel_beside_the_call_and_a_mismatch_is_named_at_its_wait() -> None:
+    reports = run_ranks("tests.test_transport:headers_beside_the_call", 2, {}, timeout=60)
+    for rank, report in enumerate(reports):
+        assert report["gathered"] == [0.0] * 4 + [1.0] * 4, report
+        message = report["mismatch"]
+        assert message.startswith(f"[rank {rank}] collective #1 differs across ranks (verified before it ran)"), message
+        assert "blocks.1" in message and "blocks.2" in message, message
+        assert report["verify_calls"] == 2, report

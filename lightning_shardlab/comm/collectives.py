@@ -42,8 +42,8 @@ class Comm:
     # how all-gathers and reduce-scatters travel (comm/transport.py); choose_transports() may change them
     transports: dict[str, Any] = field(default_factory=lambda: {"all_gather": Builtin, "reduce_scatter": Builtin})
     transport_times: dict[str, Any] = field(default_factory=dict)  # what choose_transports measured
-    # verified collectives (enable_verification): every call on the verified wire (gloo), or preceded by
-    # a header exchange (NCCL, transport="builtin")
+    # verified collectives (enable_verification): every call on the verified wire (gloo), preceded by a header
+    # exchange (gloo, transport="builtin"), or with one beside it, checked at its wait (NCCL)
     wire: Wire | None = None
     header_exchange: HeaderExchange | None = None
     waiting: int = 0  # > 0 while this rank's main thread is blocked in one of these collectives (the watchdog reads it)
@@ -137,7 +137,7 @@ class Comm:
         self.seq += 1
         for observer in self.observers:
             observer.started(call)
-        if self.header_exchange is not None:
+        if self.header_exchange is not None and not self.header_exchange.deferred:
             with self.blocking():
                 self.header_exchange.check(call, self.ledger, self.scope)
         elif self.wire is not None:  # the headers travel with the call: two messages per peer
@@ -152,15 +152,19 @@ class Comm:
 
 def enable_verification(comm: Comm, limit_bytes: int = MIN_LIMIT, builtin: bool = False) -> Headers | None:
     """From now on every call of ``comm`` is verified (comm/verify.py): on the verified wire on gloo, where every
-    receive has room for ``limit_bytes`` (the largest payload a call may send: the same on every rank),
-    else (NCCL, or ``builtin``) by a header exchange before each call. Collective for the header exchange
+    receive has room for ``limit_bytes`` (the largest payload a call may send: the same on every rank), by a
+    header exchange before each call on gloo with ``builtin``, and beside each call on NCCL (on its gloo twin,
+    checked when the call is waited for). Collective for the header exchange
     (every rank, same point). Nothing to verify at world size 1. Returns the fingerprint codec."""
     if comm.world_size > 1 and comm.headers is None:
         headers = Headers(comm.rank, comm.world_size, comm.ranks)
         if comm.backend == "gloo" and not builtin:
             comm.wire = Wire(comm.group, comm.rank, comm.world_size, headers, limit_bytes)
-        else:
+        elif comm.backend == "gloo":  # gloo aborts on a payload of another size: the headers agree first
             comm.header_exchange = HeaderExchange.open(headers, comm.partition)
+        else:  # NCCL: beside each call on the gloo twin, checked when it is waited for
+            twin = comm.host.group if comm.host is not None else HeaderExchange.open(headers, comm.partition).group
+            comm.header_exchange = HeaderExchange.open(headers, twin=twin)
     return comm.headers
 
 
@@ -231,10 +235,14 @@ def _run(
     times = clock.arrive(kind, label, comm.ranks) if clock is not None else None
     with phase(kind, label):
         started = time.perf_counter()
+        headers = _launch_headers(comm, call)
         with comm.blocking():  # a payload larger than the wire's room waits for the headers here
             launched = launch(call)
         if not isinstance(launched, Launched):
             launched = Launched([launched])
+        if headers is not None:  # NCCL: checked when the call is waited for, before its data is used
+            launched.first.insert(0, headers[0])
+            launched.check = headers[1] if launched.check is None else _both(headers[1], launched.check)
         if finish is not None:
             first = launched.finish
             launched.finish = finish if first is None else lambda: (first(), finish())
@@ -245,6 +253,18 @@ def _run(
     if not async_op:
         pending.wait()
     return pending
+
+
+def _launch_headers(comm: Comm, call: CollectiveCall) -> tuple[Any, Callable[[], None]] | None:
+    """A deferred header exchange (NCCL, comm/verify.py): launched beside the call, (its work, its check)."""
+    exchange = comm.header_exchange
+    if exchange is None or not exchange.deferred:
+        return None
+    return exchange.launch(call, comm.ledger, comm.scope)
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    return lambda: (first(), second())
 
 
 def _staged(tensor: Tensor, comm: Comm) -> Tensor:

@@ -10,8 +10,14 @@ through ``explain``, which unit ran where and the fix. Two ways to carry the hea
 - on gloo (CPU ranks, ranks sharing a GPU): comm/wire.py sends each call as a pairwise exchange in which a
   header message precedes the payload each way, on one tag. It costs no extra round trip: headers travel
   with the payloads and are checked when they arrive, before the payload is used.
-- with ``transport="builtin"`` or on NCCL: ``HeaderExchange`` all-gathers the header on a gloo group of
-  its own before the call is launched (one small message, a latency, per call).
+- with ``transport="builtin"`` on gloo: ``HeaderExchange`` all-gathers the header on a gloo group of its own
+  before the call is launched (a round trip per call, the host blocked for it: gloo would abort the process on
+  a payload of another size, so nothing may be posted before the headers agree).
+- on NCCL: the header's all-gather is launched on the group's gloo twin (comm/host_side.py) beside the call,
+  without waiting, and checked when the call is waited for, before its data is used (``Launched.first`` and
+  ``check``, as on the wire). The hosts are not held in step by a round trip per collective: the headers
+  travel while the device works. A mismatch still raises on every rank, naming the first differing call; a
+  call of another size that hangs the device meanwhile is the watchdog's to name (guard/watchdog.py).
 
 [Note: why the payload's own buffers are not trusted]
 A tag inside the payload (one extra element per shard) cannot do it alone: when two ranks' calls differ
@@ -147,27 +153,47 @@ class Headers:
 
 
 class HeaderExchange:
-    """The header of every call all-gathered before the call is launched, on a gloo group of its own (NCCL
-    runs, and ``transport="builtin"``): one small message, a latency, per call."""
+    """The header of every call all-gathered on a gloo group beside the call's own: before the call is launched
+    (``transport="builtin"`` on gloo: ``check``), or launched beside it and checked when it is waited for
+    (``deferred``, NCCL: ``launch``). One small message each way per call."""
 
-    def __init__(self, group: Any, headers: Headers) -> None:
-        self.group, self.headers = group, headers
-        self._everyone = torch.empty(headers.world_size * HEADER, dtype=torch.int64)  # 1-D, world * HEADER
+    def __init__(self, group: Any, headers: Headers, deferred: bool = False) -> None:
+        self.group, self.headers, self.deferred = group, headers, deferred
 
     @staticmethod
-    def open(headers: Headers, partition: tuple[tuple[int, ...], ...] | None = None) -> HeaderExchange:
+    def open(
+        headers: Headers, partition: tuple[tuple[int, ...], ...] | None = None, twin: Any = None
+    ) -> HeaderExchange:
         """Collective (every rank, same point): a gloo group for the world, or for each group of ``partition``
-        (the groups of one kind of a mesh, comm/mesh.py), this rank's."""
+        (the groups of one kind of a mesh, comm/mesh.py), this rank's; or ``twin``, an NCCL group's gloo twin
+        (comm/host_side.py), whose headers are then checked after the fact."""
+        if twin is not None:
+            return HeaderExchange(twin, headers, deferred=True)
         if partition is None:
             return HeaderExchange(dist.new_group(backend="gloo"), headers)
         group, _ = dist.new_subgroups_by_enumeration([list(p) for p in partition], backend="gloo")
         return HeaderExchange(group, headers)
 
+    def _rows(self, everyone: Tensor) -> dict[int, Tensor]:
+        rows = everyone.view(self.headers.world_size, HEADER)
+        return {r: rows[r] for r in range(self.headers.world_size)}
+
     def check(self, call: CollectiveCall, ledger: Ledger, scope: str = "world") -> None:
+        """Exchange ``call``'s header and check every rank's, the host blocked meanwhile (raises on a mismatch)."""
         started = time.perf_counter()
+        everyone = self._record(ledger, scope)
         with phase("verify", call.label):
-            dist.all_gather_into_tensor(self._everyone, self.headers.encode(call, 0), group=self.group)
-        ledger.record_launch("verify", "", self._everyone.numel() * self._everyone.element_size(), scope)
+            dist.all_gather_into_tensor(everyone, self.headers.encode(call, 0), group=self.group)
         ledger.record_seconds("verify", "", time.perf_counter() - started, scope)
-        rows = self._everyone.view(self.headers.world_size, HEADER)
-        self.headers.check({r: rows[r] for r in range(self.headers.world_size)})
+        self.headers.check(self._rows(everyone))
+
+    def launch(self, call: CollectiveCall, ledger: Ledger, scope: str = "world") -> tuple[Any, Callable[[], None]]:
+        """Launch the exchange of ``call``'s header without waiting: (its work, the check to run once it is done)."""
+        everyone = self._record(ledger, scope)
+        work = dist.all_gather_into_tensor(everyone, self.headers.encode(call, 0), group=self.group, async_op=True)
+        return work, lambda: self.headers.check(self._rows(everyone))
+
+    def _record(self, ledger: Ledger, scope: str) -> Tensor:
+        everyone = torch.empty(self.headers.world_size * HEADER, dtype=torch.int64)  # 1-D, world * HEADER
+        ledger.record_launch("verify", "", everyone.numel() * everyone.element_size(), scope)
+        return everyone
