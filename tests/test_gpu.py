@@ -1,4 +1,5 @@
-"""The CUDA paths: NCCL with one rank per GPU, ranks sharing one GPU through gloo, and offload='cpu'.
+"""The CUDA paths: NCCL with one rank per GPU, and alone on one GPU with real collectives; ranks sharing one GPU
+through gloo; offload='cpu'; the device's clock; a steady step that makes no synchronising CUDA call.
 
 Marked ``gpu``: skipped, with that reason, on machines without CUDA (see conftest.py).
 """
@@ -7,8 +8,12 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
 
@@ -64,7 +69,10 @@ def time_on_one_gpu(out: str) -> dict:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, default_root_dir=out, callbacks=[budget], limit_val_batches=0,
     )  # fmt: skip
-    trainer.fit(TinyGPT(vocab=61, block_size=8, n_layer=3, n_embd=48, n_head=4), OrderedData(token_dataset(16), 1))
+    trainer.fit(
+        TinyGPT(vocab=61, block_size=8, n_layer=3, n_embd=48, n_head=4),
+        OrderedData(token_dataset(16, vocab=61, block_size=8), 1),
+    )
     return budget.reports[0]
 
 
@@ -78,3 +86,108 @@ def test_the_time_side_reads_the_devices_clock_on_a_gpu(tmp_path: Path) -> None:
     assert abs(sum(measured[k] for k in ADDITIVE) - measured["step"]) <= 0.05 * measured["step"], measured
     assert measured["forward"] > 0 and measured["backward"] > 0, measured
     assert {"blocks.0", "blocks.1", "blocks.2"} <= set(report["time_by_unit"]), report["time_by_unit"]
+
+
+# ---- no host waits in a steady step, and NCCL on one GPU ----
+
+
+class SyncsPerStep(L.Callback):
+    """Per training step: the host reads the engine counted (comm/host_reads.py) and the synchronising CUDA calls
+    torch saw (``torch.cuda.set_sync_debug_mode("warn")``), from the batch's start to its end."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[dict[str, int], list[str]]] = []
+        self._catching: Any = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        from lightning_shardlab.comm import host_reads
+
+        self._before = Counter(host_reads.READS)
+        self._catching = warnings.catch_warnings(record=True)
+        self._caught = self._catching.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        from lightning_shardlab.comm import host_reads
+
+        torch.cuda.set_sync_debug_mode("default")
+        self._catching.__exit__(None, None, None)
+        syncs = [str(w.message) for w in self._caught if "synchroniz" in str(w.message)]
+        self.steps.append((dict(host_reads.READS - self._before), syncs))
+
+
+def syncs_on_one_gpu(out: str) -> list[list[tuple[dict[str, int], list[str]]]]:
+    """Stages 1-3 on one GPU with the default options, the budget and the guard (checks every 5 steps)."""
+    import io
+
+    from rich.console import Console
+
+    from lightning_shardlab import ShardLabBudget, ShardLabSanity, ShardLabStrategy
+    from tests.models.gpt import OrderedData, TinyGPT, token_dataset
+
+    runs = []
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        audit = SyncsPerStep()
+        trainer = L.Trainer(
+            accelerator="cuda", devices=1, strategy=ShardLabStrategy(stage=stage), max_steps=12, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            use_distributed_sampler=False, default_root_dir=f"{out}/{stage}", limit_val_batches=0,
+            callbacks=[audit, ShardLabBudget(Console(file=io.StringIO())), ShardLabSanity(every_n_steps=5)],
+        )  # fmt: skip
+        trainer.fit(
+            TinyGPT(vocab=61, block_size=8, n_layer=2, n_embd=32, n_head=4),
+            OrderedData(token_dataset(24, vocab=61, block_size=8), 2),
+        )
+        runs.append(audit.steps)
+    return runs
+
+
+def test_a_steady_step_on_a_gpu_waits_for_nothing(tmp_path: Path) -> None:
+    """Every step after the warm-up in which the engine counted no host read made no synchronising CUDA call,
+    by torch's own account; and most steps are such steps (the guard reads at its check steps only)."""
+    (runs,) = run_ranks("tests.test_gpu:syncs_on_one_gpu", 1, {"out": str(tmp_path)}, timeout=400)
+    for stage, steps in zip((1, 2, 3), runs):
+        steady = [(i, syncs) for i, (reads, syncs) in enumerate(steps) if i >= 2 and not reads]
+        assert len(steady) >= len(steps) // 2, (stage, steps)
+        assert all(not syncs for _, syncs in steady), (stage, [s for s in steady if s[1]][:2])
+
+
+def nccl_alone() -> dict[str, bool]:
+    """A world of one rank on an NCCL group that issues real collectives (the engine skips them at world size 1):
+    the transports' all-gather and reduce-scatter, and the header exchange NCCL's verification launches beside
+    each call on the gloo twin (comm/verify.py), none of them a host wait."""
+    import torch.distributed as dist
+
+    from lightning_shardlab.comm.call import CollectiveCall
+    from lightning_shardlab.comm.ledger import Ledger
+    from lightning_shardlab.comm.transport import Builtin
+    from lightning_shardlab.comm.verify import HeaderExchange, Headers
+
+    device = torch.device("cuda", 0)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    nccl = dist.new_group(backend="nccl")
+    exchange = HeaderExchange.open(Headers(0, 1), twin=dist.new_group(backend="gloo"))
+    shard = torch.arange(8.0, device=device)
+    gathered, reduced = torch.empty(8, device=device), torch.empty(8, device=device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        header, check = exchange.launch(CollectiveCall(0, "all_gather", "blocks.0", 8, "float32"), Ledger())
+        works = [*Builtin.all_gather(gathered, shard, nccl, 0, 1).works]
+        works += Builtin.reduce_scatter_sum(reduced, shard * 2, nccl, 0, 1).works
+        header.wait()
+        check()
+        for work in works:
+            work.wait()  # the compute stream waits for NCCL's; the host does not
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out = {"gathered": torch.equal(gathered.cpu(), shard.cpu()), "reduced": torch.equal(reduced.cpu(), 2 * shard.cpu())}
+    dist.destroy_process_group()
+    return out
+
+
+def test_nccl_on_one_gpu_issues_real_collectives_without_a_host_wait() -> None:
+    (report,) = run_ranks("tests.test_gpu:nccl_alone", 1, {}, timeout=120)
+    assert all(report.values()), report
