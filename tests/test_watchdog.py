@@ -158,3 +158,28 @@ def test_plain_loop_guard_reports_a_failure_of_the_store_host() -> None:
     for rank, (rc, log) in enumerate(results[1:], start=1):
         assert rc != 0, log
         assert f"[rank {rank}] cause: rank 0 failed with RuntimeError: injected failure in a plain loop" in log, log
+
+
+def test_a_collective_the_device_never_finishes_is_found_without_a_host_wait() -> None:
+    """guard/device_queue.py: on a GPU the works of each launched collective are asked (never waited for); the
+    oldest one incomplete after the timeout is the hang, and completed ones are let go at once."""
+    from lightning_shardlab.comm.call import CollectiveCall
+    from lightning_shardlab.guard.device_queue import DeviceQueue
+
+    class Work:  # a stand-in for an NCCL work: complete once its event is
+        def __init__(self, done: bool) -> None:
+            self.done = done
+
+        def is_completed(self) -> bool:
+            return self.done
+
+    queue, finished, never = DeviceQueue(), Work(True), Work(False)
+    first = CollectiveCall(0, "all_gather", "blocks.0", 8, "float32")
+    second = CollectiveCall(1, "reduce_scatter", "blocks.1", 8, "float32")
+    queue.launched(first, [finished], now=0.0)
+    queue.launched(second, [never], now=1.0)
+    assert len(queue) == 1  # the completed one was let go at the next launch
+    assert queue.stuck(now=5.0, timeout_s=10.0) is None
+    assert queue.stuck(now=12.0, timeout_s=10.0) is second
+    never.done = True
+    assert queue.stuck(now=20.0, timeout_s=10.0) is None and len(queue) == 0

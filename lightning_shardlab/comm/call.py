@@ -28,9 +28,13 @@ class CollectiveCall:
 
 class CollectiveObserver:
     """Sees every collective of a Comm: ``started`` before it is launched (it may raise to stop it),
-    ``finished`` once it has been waited for."""
+    ``launched`` with the works it travels as (async collectives: their completion can be asked without
+    waiting), ``finished`` once it has been waited for."""
 
     def started(self, call: CollectiveCall) -> None:
+        pass
+
+    def launched(self, call: CollectiveCall, works: list) -> None:
         pass
 
     def finished(self, call: CollectiveCall, seconds: float) -> None:

@@ -247,6 +247,8 @@ def _run(
             first = launched.finish
             launched.finish = finish if first is None else lambda: (first(), finish())
         seconds = time.perf_counter() - started
+        for observer in comm.observers:
+            observer.launched(call, [*launched.first, *launched.works])
         if times is not None:
             clock.launched(times, [*launched.first, *launched.works])
         pending = Pending(launched, lambda seconds: comm.finish(call, seconds), seconds, comm, times)

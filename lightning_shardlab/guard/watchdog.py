@@ -6,7 +6,9 @@ store keeps answering while the backend waits) and watches for three faults:
 
     hang      this rank's main thread has been blocked in a collective for ``timeout_s`` with no collective
               started or finished meanwhile (blocked: the collectives count themselves in ``Comm.waiting``
-              while they wait; so an async collective launched early and waited late is no hang)
+              while they wait; so an async collective launched early and waited late is no hang); on a GPU
+              also a collective the device has not completed ``timeout_s`` after its launch (device_queue.py:
+              NCCL's wait returns at once, so the host does not wait in it)
     failure   a rank reported an exception (``handle_exception``: from on_exception, or the guard)
     death     rank 0 watches the others: a process on its host that is gone, or a rank on another host
               whose heartbeat stopped for ``heartbeat_timeout_s``; every rank notices a store that is
@@ -42,6 +44,7 @@ from lightning_shardlab.comm.call import CollectiveCall, CollectiveObserver
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.comm.mismatch import SanityError
 from lightning_shardlab.guard import report
+from lightning_shardlab.guard.device_queue import DeviceQueue
 from lightning_shardlab.guard.side_channel import SideChannel, first, process_gone, put, read, this_process
 
 _COMM_ERRORS = (
@@ -89,6 +92,8 @@ class Watchdog(CollectiveObserver):
         self.channel: SideChannel | None = None
         # (scope, seq) -> (call, started at): each group of a mesh numbers its own calls
         self._inflight: dict[tuple[str, int], tuple[CollectiveCall, float]] = {}
+        # on a GPU: the collectives the device has not finished (device_queue.py: a hang the host does not wait in)
+        self.device = DeviceQueue() if comm.device.type == "cuda" else None
         self._last: tuple[CollectiveCall | None, float] = (None, time.monotonic())  # last finished, when
         self._blocked_since: float | None = None  # the main thread seen blocked in a collective, no progress since
         self._progress: tuple = ()  # (collectives issued, last finished) when it was last sampled
@@ -159,6 +164,10 @@ class Watchdog(CollectiveObserver):
             raise RankFailure(self.report)
         self._inflight[(call.scope, call.seq)] = (call, time.monotonic())
 
+    def launched(self, call: CollectiveCall, works: list) -> None:
+        if self.device is not None:
+            self.device.launched(call, works, time.monotonic())
+
     def finished(self, call: CollectiveCall, seconds: float) -> None:
         self._inflight.pop((call.scope, call.seq), None)
         self._last = (call, time.monotonic())
@@ -209,6 +218,11 @@ class Watchdog(CollectiveObserver):
             oldest = self._oldest()
             call = None if oldest is None else oldest[0].fingerprint
             return self._abort(store, report.hang(self.comm.rank, call, self.timeout_s, self._states(store)))
+        stuck = self.device.stuck(time.monotonic(), self.timeout_s) if self.device is not None else None
+        if stuck is not None:  # incomplete on the device: the host ran on (NCCL's wait returns at once)
+            return self._abort(
+                store, report.hang(self.comm.rank, stuck.fingerprint, self.timeout_s, self._states(store))
+            )
         gone = self._gone(store) if self.comm.rank == 0 else {}
         if gone:
             self._abort(store, report.death(gone, self._states(store)), dead=set(gone))
