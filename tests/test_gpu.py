@@ -37,6 +37,14 @@ def test_two_ranks_sharing_one_gpu_pass_stage3_parity(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["world_size"] == 2
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_2x2_hybrid_layout_of_four_ranks_sharing_one_gpu_matches_the_reference(stage: int) -> None:
+    """Two shard groups of two, four ranks on one device (the proxy: gloo, staged through host memory)."""
+    kwargs = {"world_size": 4, "stage": stage, "accelerator": "cuda", "devices": 1, "ranks_per_device": 4}
+    (report, *_) = run_ranks("tests.test_trainer:gpt_parity", 4, {**kwargs, "shard_group_size": 2}, timeout=300)
+    assert report["replicas"] == 2 and report["shard_group"] == [0, 1], report
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL with one rank per GPU needs 2 GPUs")
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_nccl_one_rank_per_gpu_matches_the_reference(stage: int) -> None:
