@@ -1,4 +1,4 @@
-"""The GPU checks, as one prepared script for a machine with a CUDA device (about 8 minutes on one GPU).
+"""The GPU checks, as one prepared script for a machine with a CUDA device (about 10 minutes on one GPU).
 
     python -m benchmarks.gpu --out DIR           # writes DIR/gpu.json and DIR/GPU.md
     python -m benchmarks.gpu --device cpu --size tiny --steps 3 --warmup 1   # the same code, a dry run on CPU
@@ -11,7 +11,9 @@
    H200's 989); target >= 30%.
 3. ``offload='cpu'``: the same GPT-2 shapes in ``bf16-mixed`` with masters and AdamW state in host memory,
    against no offload, interleaved: seconds per step and the device's peak allocated memory.
-4. Two ranks sharing the GPU (gloo) and one rank on it: the ``gpu``-marked tests (stage 3 parity, cpu offload).
+4. The ``gpu``-marked tests (tests/test_gpu.py): one rank, two ranks and a 2x2 hybrid layout of four sharing the GPU
+   against the unsharded reference, cpu offload, the device's clock in the time side, no synchronising CUDA call in
+   a steady step (``torch.cuda.set_sync_debug_mode``), NCCL alone on the GPU issuing real collectives.
 """
 
 from __future__ import annotations
