@@ -12,6 +12,7 @@ MARKERS = {
     "activations_cost": ("<!-- activations_cost: begin -->", "<!-- activations_cost: end -->"),
     "time_cost": ("<!-- time_cost: begin -->", "<!-- time_cost: end -->"),
     "stage_3_time": ("<!-- stage_3_time: begin -->", "<!-- stage_3_time: end -->"),
+    "step_profile": ("<!-- step_profile: begin -->", "<!-- step_profile: end -->"),
 }
 
 
