@@ -250,6 +250,34 @@ def test_ranks_reading_the_same_batch_are_named(fault_reports: list[dict]) -> No
         assert "ranks 0, 2 received the same batch" in r["message"] and "DistributedSampler" in r["message"]
 
 
+def deferred_faults() -> dict:
+    """Two faults with the verdict a GPU gives (guard/device_check.py: at the next step's start)."""
+    from lightning_shardlab.guard import device_check
+
+    init_from_env()
+    device_check.DEFER = True
+    try:
+        return {name: run_scenario(name) for name in ("ulp_param", "duplicate")}
+    finally:
+        device_check.DEFER = False
+        shutdown()
+
+
+def test_a_gpus_verdict_comes_one_step_later_under_the_checks_name() -> None:
+    """On a GPU the digests come to the host behind the step's kernels: the check before step 6 (ulp_param)
+    and before step 4 (duplicate) are judged as steps 7 and 5 begin, on every rank, named as the check (the nudged
+    element was overwritten by step 6's refresh meanwhile: the message says the digests differed)."""
+    for rank, r in enumerate(run_ranks("tests.test_sanity:deferred_faults", 3, timeout=120)):
+        ulp, duplicate = r["ulp_param"], r["duplicate"]
+        assert ulp["error"] == "DivergenceError" and ulp["step"] == 7, ulp
+        assert ulp["message"].startswith(f"[rank {rank}] silent divergence (before step 6): flat parameter blocks.0"), (
+            ulp["message"]
+        )
+        assert "on rank 1 differs from rank 0" in ulp["message"], ulp["message"]
+        assert duplicate["error"] == "DuplicateDataError" and duplicate["step"] == 5, duplicate
+        assert "(before step 4): ranks 0, 2 received the same batch" in duplicate["message"], duplicate["message"]
+
+
 # ---- no false alarms: 100 healthy steps per stage, every check on every step, through the Trainer ----
 
 

@@ -11,6 +11,9 @@ its check steps, the budget's step clock at its exchanges (tests/test_host_syncs
 
     to_host(tensor, why)   the tensor's values on the host (the tensor itself when it is there already), counted
     wait_for(event, why)   the host waits until the device has passed ``event`` (a CUDA event), counted
+    Later(tensor, why)     a copy to the host that does not wait: started now, read later (a wait, counted, only
+                           if the device has not got there by then)
+    to_device(tensor, d)   a host tensor on device ``d`` without a wait (through pinned memory)
     READS                  why -> reads since the process started
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import torch
 from torch import Tensor
 
 READS: Counter[str] = Counter()
@@ -35,3 +39,33 @@ def wait_for(event: Any, why: str) -> None:
     """Block the host until the device has passed ``event`` (a ``torch.cuda.Event``), counted under ``why``."""
     READS[why] += 1
     event.synchronize()
+
+
+class Later:
+    """``tensor``'s values on the host, copied without a wait: on a GPU into pinned memory behind an event on the
+    current stream; on the host, the tensor itself. ``value()`` waits (counted) only if the copy is not done."""
+
+    def __init__(self, tensor: Tensor, why: str) -> None:
+        self.why, self.event = why, None
+        if tensor.device.type == "cuda":
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensor
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def value(self) -> Tensor:
+        if not self.ready():
+            wait_for(self.event, self.why)
+        return self.host
+
+
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on ``device``: through pinned memory on a GPU, so the host does not wait for the copy."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -7,6 +7,7 @@ default. The guard never imports the strategy. Each piece lives in its own file:
 
     fingerprints.py  collective fingerprints: the cheap check every K steps, the strict check per call
     divergence.py    replicated state compared by digest every K steps; the duplicate-data check
+    device_check.py  both in one all-gather per check, read without a wait (a GPU's verdict: the next step)
     watchdog.py      hangs, failed and killed ranks: ends the run on every rank with a report (report.py)
     device_queue.py  the collectives a GPU has not finished, asked without waiting: a hang the host does not see
     side_channel.py  the rendezvous store as a channel that works while the process group is stuck

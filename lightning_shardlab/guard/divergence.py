@@ -14,11 +14,11 @@ of some replicated state has drifted. What must be identical between steps:
   shard group (its replica group): the groups are replicas, so a shard that differs across them is a
   divergence, named with the rank, the parameter and the element.
 
-``check_replicated`` hashes each of these to 16 bytes (``tensor_digest``: bit patterns, so one ulp counts),
-all-gathers the digests (one collective, 16 bytes per entry per rank) and, only when they differ,
-exchanges the first differing entry to name the rank, the tensor and the element.
-
-``check_distinct_batches`` is the data check: ranks whose batches hash equal read the same data.
+``replicated_digests`` hashes each of these to 16 bytes on the device (``tensor_digest``: bit patterns, so one ulp
+counts); the guard all-gathers them with the batch's digest (``batch_digest``) in one collective
+(device_check.py) and ``judge_replicated`` compares them and, only when they differ, exchanges the first differing
+entry to name the rank, the tensor and the element. ``judge_batches`` is the data check: ranks whose batches hash
+equal read the same data.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ from torch.optim import Optimizer
 from torch.utils import _pytree as pytree
 
 from lightning_shardlab.comm import collectives
-from lightning_shardlab.comm.collectives import Comm
-from lightning_shardlab.comm.host_reads import to_host
+from lightning_shardlab.comm.host_reads import to_device, to_host
 from lightning_shardlab.comm.mismatch import SanityError
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
@@ -154,34 +153,22 @@ def replicated_state(
     return out
 
 
-def check_replicated(
-    sharded: ShardedModel, optimizers: list[Optimizer] = (), skip: tuple[str, ...] = (), when: str = ""
-) -> None:
-    """Collective: raise ``DivergenceError`` on every rank, naming the rank and the tensor, unless every
-    rank's replicated state (``replicated_state``) is bit for bit the same. One all-gather of 16 bytes
-    per entry; on a difference, one more exchange of that entry."""
-    comm = sharded.comm
-    if comm.world_size == 1:
-        return
-    entries = replicated_state(sharded, optimizers, skip)
-    if not entries:
-        return
-    mine = (
-        torch.stack(
-            [
-                (tensor_digest(e.value) if isinstance(e.value, Tensor) else value_digest(e.value)).to(comm.device)
-                for e in entries
-            ]
-        )
-        .to(comm.device)
-        .reshape(-1)
-    )  # 1-D, entries * 2
-    everyone = torch.empty(comm.world_size * mine.numel(), dtype=torch.int64, device=comm.device)
-    collectives.all_gather(everyone, mine, comm, label="sanity replicated state", kind="sanity")
-    digests = to_host(everyone, "sanity replicated state").view(comm.world_size, len(entries), 2)
+def replicated_digests(entries: list[Replicated], device: torch.device) -> Tensor:
+    """The entries' digests on ``device``, made there (a host value's digest goes up without a wait): (entries, 2)."""
+    return torch.stack(
+        [
+            tensor_digest(e.value) if isinstance(e.value, Tensor) else to_device(value_digest(e.value), device)
+            for e in entries
+        ]
+    ).to(device)
+
+
+def judge_replicated(sharded: ShardedModel, entries: list[Replicated], digests: Tensor, when: str = "") -> None:
+    """Collective when a digest differs (every rank holds the same ``digests``, (world, entries, 2), on the host):
+    raise ``DivergenceError`` on every rank, naming the rank and the tensor; nothing when all agree."""
     peers = sharded.mesh.replica.partition or ((),)  # replica group s holds shard s
     for i, entry in enumerate(entries):
-        for s, ranks in enumerate(peers) if entry.among_replicas else [(None, tuple(range(comm.world_size)))]:
+        for s, ranks in enumerate(peers) if entry.among_replicas else [(None, tuple(range(sharded.comm.world_size)))]:
             rows = digests[list(ranks), i]  # (ranks, 2)
             if bool((rows != rows[0]).any()):
                 if s is not None:  # named as that shard, wherever this rank's own shard is
@@ -254,7 +241,9 @@ def _tensor_difference(ref: Tensor, other: Tensor, rank: int, reference: int, en
         return f"shape/dtype {tuple(ref.shape)} {ref.dtype} on rank {reference} but {tuple(other.shape)} {other.dtype}"
     diff = (a.view(_BITS[a.element_size()]) != b.view(_BITS[b.element_size()])) if a.element_size() in _BITS else a != b
     idx = diff.nonzero()
-    first = int(idx[0]) if idx.numel() else 0
+    if not idx.numel():  # a GPU's verdict is read a step after its digests (device_check.py)
+        return "its digests differed at the check; its values agree again now (overwritten since, by every rank)"
+    first = int(idx[0])
     where = _element_name(entry, first + entry.offset, ref.shape)
     return (
         f"{idx.numel()} element(s) differ; first {where}: {a[first].item()!r} on rank {reference},"
@@ -290,31 +279,27 @@ def _dict_difference(ref: dict, other: dict, rank: int, reference: int) -> str:
 
 
 def batch_digest(batch: Any, device: torch.device) -> Tensor:
-    """16 bytes of a batch (any nesting of tensors and plain values). 1-D int64, numel 2."""
-    parts = [
-        to_host(tensor_digest(x), "sanity data") if isinstance(x, Tensor) else value_digest(repr(x))
-        for x in pytree.tree_leaves(batch)
-    ]
-    return value_digest([p.tolist() for p in parts]).to(device)
+    """16 bytes of a batch (any nesting of tensors and plain values), made on ``device``: the digest of its
+    leaves' digests (a plain value's goes up without a wait). 1-D int64, numel 2."""
+    leaves = pytree.tree_leaves(batch)
+    parts = [tensor_digest(x).to(device) for x in leaves if isinstance(x, Tensor)]
+    values = [repr(x) for x in leaves if not isinstance(x, Tensor)]
+    parts.append(to_device(value_digest(values), device))
+    return tensor_digest(torch.stack(parts))
 
 
-def check_distinct_batches(batch: Any, comm: Comm, when: str = "") -> None:
-    """Collective: raise ``DuplicateDataError`` on every rank if two ranks hold the same batch.
-    One all-gather of 16 bytes per rank."""
-    if comm.world_size == 1:
-        return
-    mine = batch_digest(batch, comm.device)
-    everyone = torch.empty(comm.world_size * 2, dtype=torch.int64, device=comm.device)
-    collectives.all_gather(everyone, mine, comm, label="sanity data", kind="sanity")
+def judge_batches(rank: int, digests: Tensor, when: str = "") -> None:
+    """Raise ``DuplicateDataError`` (every rank holds the same ``digests``, (world, 2), on the host) if two ranks
+    hold the same batch."""
     groups: dict[tuple, list[int]] = {}
-    for rank, digest in enumerate(to_host(everyone, "sanity data").view(-1, 2).tolist()):
-        groups.setdefault(tuple(digest), []).append(rank)
+    for r, digest in enumerate(digests.tolist()):
+        groups.setdefault(tuple(digest), []).append(r)
     same = [ranks for ranks in groups.values() if len(ranks) > 1]
     if same:
         listed = "; ".join("ranks " + ", ".join(map(str, ranks)) for ranks in same)
         where = f" ({when})" if when else ""
         raise DuplicateDataError(
-            f"[rank {comm.rank}] identical training batches{where}: {listed} received the same batch, so they"
+            f"[rank {rank}] identical training batches{where}: {listed} received the same batch, so they"
             " compute the same gradients and the run trains on 1/N of the data it pays for. HINT: give each rank"
             " its own part of the data: keep Trainer(use_distributed_sampler=True), or build the DataLoader with a"
             " DistributedSampler(num_replicas=world_size, rank=rank), or shard an IterableDataset by rank."

@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.core.config import check_bool, check_int, check_positive
-from lightning_shardlab.guard.divergence import check_distinct_batches, check_replicated
+from lightning_shardlab.guard.device_check import DeviceCheck
 from lightning_shardlab.guard.fingerprints import FingerprintRecorder, StrictCollectives, check_fingerprints
 from lightning_shardlab.guard.orderly_stop import OrderlyStop
 from lightning_shardlab.guard.watchdog import Watchdog, log
@@ -84,6 +84,7 @@ class SanityGuard:
         self.watchdog: Watchdog | None = None
         self.orderly: OrderlyStop | None = None
         self._stragglers_warned = 0  # how many of the step clock's stragglers were warned of
+        self._pending: DeviceCheck | None = None  # a check whose verdict waits for the device (device_check.py)
 
     @property
     def comm(self) -> Comm:
@@ -110,11 +111,19 @@ class SanityGuard:
             self.orderly.install()
 
     def before_step(self, step: int, batch: Any = None) -> None:
-        """Every rank, before each step: the cheap checks when ``step`` is a multiple of ``every_n_steps``."""
+        """Every rank, before each step: the verdict of a check still in flight (a GPU's: device_check.py), then
+        the cheap checks when ``step`` is a multiple of ``every_n_steps``."""
+        self.conclude()
         every = self.config.every_n_steps
         if every and step % every == 0:
             self.check(f"before step {step}", batch)
         self.warn_of_stragglers()
+
+    def conclude(self) -> None:
+        """Collective on a fault: the verdict of the device check in flight, if any (raises on every rank)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.conclude()
 
     def warn_of_stragglers(self) -> None:
         """Warn once of each rank the step clock named persistently slower (budget/measured/stragglers.py, while
@@ -127,12 +136,14 @@ class SanityGuard:
         self._stragglers_warned = len(named)
 
     def check(self, when: str, batch: Any = None) -> None:
-        """Collective: fingerprints, then replicated state, then data. Raises on every rank on a fault."""
+        """Collective: fingerprints, then replicated state and data (one all-gather of digests, judged now on
+        CPU ranks, at the next step's start on a GPU). Raises on every rank on a fault."""
         check_fingerprints(self.comm, self.recorder, when)
-        if self.config.check_replicated:
-            check_replicated(self.sharded, self.optimizers, self.config.skip_buffers, when)
-        if self.config.check_data and batch is not None:
-            check_distinct_batches(batch, self.comm, when)
+        optimizers = self.optimizers if self.config.check_replicated else None
+        batch = batch if self.config.check_data else None
+        self._pending = DeviceCheck.launch(self.sharded, optimizers, self.config.skip_buffers, batch, when)
+        if self._pending is not None and not self._pending.deferred:
+            self.conclude()
 
     def stop_after(self, step: int) -> bool:
         """Every rank, after each step: True on every rank after the same step once any rank got SIGTERM."""
@@ -142,7 +153,9 @@ class SanityGuard:
         return True
 
     def finish(self) -> None:
-        """A clean end (collective): a last fingerprint check, then stop watching."""
+        """A clean end (collective): the verdict of a check in flight and a last fingerprint check, then stop
+        watching."""
+        self.conclude()
         if self.config.every_n_steps:
             check_fingerprints(self.comm, self.recorder, "at the end")
         if self.watchdog is not None:
@@ -160,6 +173,7 @@ class SanityGuard:
 
     def close(self) -> None:
         """Stop every check (idempotent)."""
+        self._pending = None  # a check in flight when the run failed is not judged
         for observer in (self.recorder, self.strict):
             if observer is not None and observer in self.comm.observers:
                 self.comm.observers.remove(observer)
