@@ -45,6 +45,13 @@ def test_a_2x2_hybrid_layout_of_four_ranks_sharing_one_gpu_matches_the_reference
     assert report["replicas"] == 2 and report["shard_group"] == [0, 1], report
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_mixed_on_two_ranks_sharing_one_gpu_matches_the_same_recipe(stage: int) -> None:
+    """precision="bf16-mixed" through the Trainer on the GPU against the same recipe unsharded (on CPU)."""
+    kwargs = {"world_size": 2, "stage": stage, "accelerator": "cuda"}
+    run_ranks("tests.test_mixed_precision:trainer_bf16_mixed", 2, kwargs, timeout=300)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL with one rank per GPU needs 2 GPUs")
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_nccl_one_rank_per_gpu_matches_the_reference(stage: int) -> None:

@@ -98,12 +98,16 @@ def test_bf16_mixed_matches_the_same_recipe_unsharded(stage: int) -> None:
     run_ranks("tests.test_mixed_precision:core_bf16_mixed", 2, {"stage": stage}, timeout=120)
 
 
-def _bf16_fit(model: L.LightningModule, data: TensorDataset, world_size: int, stage: int, **limits: int) -> L.Trainer:
-    """``model`` trained in "bf16-mixed" by the shardlab strategy at ``stage``, rank r on samples r, r + N, ..."""
+def _bf16_fit(
+    model: L.LightningModule, data: TensorDataset, world_size: int, stage: int, accelerator: str = "cpu", **limits: int
+) -> L.Trainer:
+    """``model`` trained in "bf16-mixed" by the shardlab strategy at ``stage``, rank r on samples r, r + N, ...;
+    on a GPU every rank shares it (the proxy)."""
+    per_device = {"devices": 1, "ranks_per_device": world_size} if accelerator == "cuda" else {"devices": world_size}
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=ShardLabStrategy(stage=stage),
+        accelerator=accelerator,
+        devices=per_device.pop("devices"),
+        strategy=ShardLabStrategy(stage=stage, **per_device),
         precision="bf16-mixed",
         logger=False,
         enable_checkpointing=False,
@@ -127,13 +131,13 @@ def _replay(reference: SameRecipe, data: TensorDataset, world_size: int, steps: 
         reference.step(batches, loss_fn)
 
 
-def trainer_bf16_mixed(world_size: int, steps: int = 6) -> dict:
-    """Through the Trainer: precision="bf16-mixed" with the shardlab strategy, on a tiny GPT."""
+def trainer_bf16_mixed(world_size: int, steps: int = 6, stage: int = 3, accelerator: str = "cpu") -> dict:
+    """Through the Trainer: precision="bf16-mixed" with the shardlab strategy, on a tiny GPT (its reference on CPU)."""
     torch.manual_seed(0)
     model = TinyGPT()
     master = copy.deepcopy(model)
     data = token_dataset(steps * 2 * world_size)
-    trainer = _bf16_fit(model, data, world_size, 3, max_steps=steps)
+    trainer = _bf16_fit(model, data, world_size, stage, accelerator, max_steps=steps)
     assert trainer.precision == "bf16-mixed"
     state = trainer.strategy.full_state_dict()
     if trainer.global_rank != 0:
