@@ -20,6 +20,7 @@ class CollectiveCall:
     numel: int  # elements of the full (gathered / reduced) tensor; 0 for objects
     dtype: str
     scope: str = "world"  # the kind of group it runs in (comm/mesh.py); each group numbers its own calls
+    side: str = ""  # "host": on the group's gloo twin (comm/host_side.py), which numbers its calls apart
 
     @property
     def fingerprint(self) -> tuple:

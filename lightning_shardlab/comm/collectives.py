@@ -55,6 +55,7 @@ class Comm:
     parent: Comm | None = None
     clock: StepClock | None = None  # where this rank's time goes (comm/step_clock.py), while someone measures it
     host: Comm | None = None  # NCCL: the same ranks on gloo, for host tensors (comm/host_side.py)
+    side: str = ""  # "host" for such a twin: its calls are numbered apart from its group's
 
     @property
     def backend(self) -> str:
@@ -133,6 +134,7 @@ class Comm:
             numel,
             "object" if tensor is None else str(tensor.dtype).removeprefix("torch."),
             self.scope,
+            self.side,
         )
         self.seq += 1
         for observer in self.observers:

@@ -13,7 +13,7 @@ its check steps, the budget's step clock at its exchanges (tests/test_host_syncs
     wait_for(event, why)   the host waits until the device has passed ``event`` (a CUDA event), counted
     Later(tensor, why)     a copy to the host that does not wait: started now, read later (a wait, counted, only
                            if the device has not got there by then)
-    to_device(tensor, d)   a host tensor on device ``d`` without a wait (through pinned memory)
+    to_device(tensor, d)   a tensor on device ``d``, from the host without a wait (through pinned memory)
     READS                  why -> reads since the process started
 """
 
@@ -65,7 +65,7 @@ class Later:
 
 
 def to_device(tensor: Tensor, device: torch.device) -> Tensor:
-    """A host tensor on ``device``: through pinned memory on a GPU, so the host does not wait for the copy."""
-    if device.type != "cuda":
+    """``tensor`` on ``device``; from the host to a GPU through pinned memory, so the host does not wait."""
+    if tensor.device.type != "cpu" or device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

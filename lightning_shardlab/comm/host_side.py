@@ -47,4 +47,5 @@ def open_host_side(comm: Comm) -> None:
         ranks=comm.ranks,
         partition=comm.partition,
         parent=comm.parent or comm,
+        side="host",
     )

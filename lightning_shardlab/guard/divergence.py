@@ -154,10 +154,11 @@ def replicated_state(
 
 
 def replicated_digests(entries: list[Replicated], device: torch.device) -> Tensor:
-    """The entries' digests on ``device``, made there (a host value's digest goes up without a wait): (entries, 2)."""
+    """The entries' digests on ``device``, each made where its value lives (a host value's digest, such as an
+    offloaded master's or a hyperparameter's, goes up without a wait): (entries, 2)."""
     return torch.stack(
         [
-            tensor_digest(e.value) if isinstance(e.value, Tensor) else to_device(value_digest(e.value), device)
+            to_device(tensor_digest(e.value) if isinstance(e.value, Tensor) else value_digest(e.value), device)
             for e in entries
         ]
     ).to(device)
@@ -282,7 +283,7 @@ def batch_digest(batch: Any, device: torch.device) -> Tensor:
     """16 bytes of a batch (any nesting of tensors and plain values), made on ``device``: the digest of its
     leaves' digests (a plain value's goes up without a wait). 1-D int64, numel 2."""
     leaves = pytree.tree_leaves(batch)
-    parts = [tensor_digest(x).to(device) for x in leaves if isinstance(x, Tensor)]
+    parts = [to_device(tensor_digest(x), device) for x in leaves if isinstance(x, Tensor)]
     values = [repr(x) for x in leaves if not isinstance(x, Tensor)]
     parts.append(to_device(value_digest(values), device))
     return tensor_digest(torch.stack(parts))

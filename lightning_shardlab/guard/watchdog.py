@@ -90,7 +90,7 @@ class Watchdog(CollectiveObserver):
         self.grace_s, self.ack_s = grace_s, ack_s
         self.report: str | None = None  # the abort report, once this rank knows it
         self.channel: SideChannel | None = None
-        # (scope, seq) -> (call, started at): each group of a mesh numbers its own calls
+        # (scope, side, seq) -> (call, started at): each group of a mesh, and its host twin, numbers its own calls
         self._inflight: dict[tuple[str, int], tuple[CollectiveCall, float]] = {}
         # on a GPU: the collectives the device has not finished (device_queue.py: a hang the host does not wait in)
         self.device = DeviceQueue() if comm.device.type == "cuda" else None
@@ -162,14 +162,14 @@ class Watchdog(CollectiveObserver):
         if self.report is not None:
             self._main_knows.set()
             raise RankFailure(self.report)
-        self._inflight[(call.scope, call.seq)] = (call, time.monotonic())
+        self._inflight[(call.scope, call.side, call.seq)] = (call, time.monotonic())
 
     def launched(self, call: CollectiveCall, works: list) -> None:
         if self.device is not None:
             self.device.launched(call, works, time.monotonic())
 
     def finished(self, call: CollectiveCall, seconds: float) -> None:
-        self._inflight.pop((call.scope, call.seq), None)
+        self._inflight.pop((call.scope, call.side, call.seq), None)
         self._last = (call, time.monotonic())
 
     def handle_exception(self, exc: BaseException) -> str | None:
@@ -280,7 +280,7 @@ class Watchdog(CollectiveObserver):
         """Where the main thread is, and whether it is blocked in a collective; keeps ``_blocked_since``."""
         blocked, where = self.comm.waiting > 0, sample_main_thread()  # the collectives say when they wait
         last = self._last[0]
-        progress = (self.comm.seq, None if last is None else (last.scope, last.seq))
+        progress = (self.comm.seq, None if last is None else (last.scope, last.side, last.seq))
         if not blocked or progress != self._progress:
             self._blocked_since = time.monotonic() if blocked else None
         self._progress = progress
