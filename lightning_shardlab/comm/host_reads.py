@@ -5,8 +5,9 @@ On a GPU, reading a device tensor on the host (``.item()``, ``.tolist()``, ``.cp
 everything queued before it: the CPU stops running ahead, and the next unit's kernels and collectives are not
 queued while this one computes. So what the ranks agree on that the host knows travels on the host side
 (comm/host_side.py), and the device values the guard, the budget and the vitals need are read here, where they
-are counted by why they were read. A steady step of the default configuration reads none: the guard reads at
-its check steps, the budget's step clock at its exchanges (tests/test_host_syncs.py counts them on CPU ranks;
+are counted by why they were read. A steady step of the default configuration reads none: the guard's digests
+come over without a wait (``Later``), the budget's step clock reads at its exchanges, the vitals (opt-in) once per
+logged step (tests/test_host_syncs.py counts them on CPU ranks;
 ``torch.cuda.set_sync_debug_mode("error")`` proves it on a GPU, tests/test_gpu.py).
 
     to_host(tensor, why)   the tensor's values on the host (the tensor itself when it is there already), counted

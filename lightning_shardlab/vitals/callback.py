@@ -20,9 +20,10 @@ global (the same on every rank by construction: drawn once, in black, never an o
     update_ratio/<unit>       |Δw| / |w| of the unit's weights in this optimizer step
 
 Shards are not compared with each other: rank r's shard is a different slice from rank s's, so shard
-norms differ by construction. Global signs are summed from every rank's shard instead. One all-gather
-per logged step (a few floats per unit and rank) brings every rank's signs to rank 0, which logs them
-to the Trainer's loggers as ``vitals/<signal>/rank<r>`` (global ones as ``vitals/<signal>``) and, when
+norms differ by construction. Global signs are summed from every rank's shard instead. Every sign is summed
+where it is computed (on a GPU, on the device: the host reads nothing per unit or per gradient); one all-gather
+per logged step (a few floats per unit and rank), read by the host once, brings every rank's signs to rank 0,
+which logs them to the Trainer's loggers as ``vitals/<signal>/rank<r>`` (global ones as ``vitals/<signal>``) and, when
 training ends, writes the dashboard (vitals/dashboard.py): vitals.png and vitals.html overlaying the ranks with
 outliers marked, and vitals.json with the numbers; panels without data say why.
 
@@ -48,7 +49,7 @@ from torch.optim import Optimizer
 from torch.utils import _pytree as pytree
 
 from lightning_shardlab.comm import collectives
-from lightning_shardlab.comm.host_reads import to_host
+from lightning_shardlab.comm.host_reads import to_device, to_host
 from lightning_shardlab.core.config import check_int, check_positive
 from lightning_shardlab.sharding.lookup import sharded_model_of
 from lightning_shardlab.vitals.dashboard import VitalsHistory, write_dashboard
@@ -79,9 +80,9 @@ def vital_units(trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[list[
 class ActivationStats:
     """Forward hooks that record (mean, std, max |x|) of each unit's output while ``active``."""
 
-    def __init__(self, units: list[VitalUnit]) -> None:
-        self.active = False
-        self.sums: dict[str, list[float]] = {}  # unit -> [calls, mean, std, absmax] summed over calls
+    def __init__(self, units: list[VitalUnit], device: torch.device) -> None:
+        self.active, self.device = False, device
+        self.sums: dict[str, Tensor] = {}  # unit -> [calls, mean, std, absmax] summed over calls, where it ran
         self.handles = [u.module.register_forward_hook(self._hook(u.name)) for u in units]
 
     def _hook(self, name: str):  # noqa: ANN202
@@ -92,20 +93,23 @@ class ActivationStats:
             if x is None or x.numel() == 0:
                 return
             with torch.no_grad():
-                x = x.detach().float()
-                stats = to_host(torch.stack([x.mean(), x.std(correction=0), x.abs().max()]), "vitals").tolist()
-            acc = self.sums.setdefault(name, [0.0, 0.0, 0.0, 0.0])
-            acc[0] += 1
-            acc[1] += stats[0]
-            acc[2] += stats[1]
-            acc[3] = max(acc[3], stats[2])
+                x = x.detach().double()
+                stats = torch.stack([torch.ones_like(x[(0,) * x.dim()]), x.mean(), x.std(correction=0), x.abs().max()])
+                acc = self.sums.get(name)
+                if acc is None:
+                    self.sums[name] = stats
+                else:  # summed where it lives: no read by the host
+                    acc[:3] += stats[:3]
+                    acc[3] = torch.maximum(acc[3], stats[3])
 
         return record
 
-    def take(self, name: str) -> list[float]:
-        """(mean, std, max |x|) averaged over this step's calls (NaN if the unit did not run)."""
-        calls, mean, std, absmax = self.sums.get(name, [0.0, 0.0, 0.0, 0.0])
-        return [mean / calls, std / calls, absmax] if calls else [math.nan] * 3
+    def take(self, name: str) -> Tensor:
+        """(mean, std, max |x|) averaged over this step's calls (NaN if the unit did not run): 1-D, 3, float64."""
+        acc = self.sums.get(name)
+        if acc is None:
+            return torch.full((3,), math.nan, dtype=torch.float64, device=self.device)
+        return torch.cat([acc[1:3] / acc[0], acc[3:]]).to(self.device)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -141,8 +145,10 @@ class ShardLabVitals(L.Callback):
         self.steps: list[int] = []
         self.rows: list[np.ndarray] = []  # rank 0: (world, per-rank signals + global signals) per logged step
         self.paths: dict[str, Path] = {}
-        self._local_sq: dict[str, float] = {}  # unit -> this rank's pre-reduction gradient norm^2, this step
-        self._shard_grad_sq = math.nan  # this rank's part of the reduced gradient, norm^2
+        self.device: Any = None
+        # summed on the device, read once per logged step with the row's all-gather:
+        self._local_sq: dict[str, Tensor] = {}  # unit -> this rank's pre-reduction gradient norm^2, this step
+        self._shard_grad_sq: Tensor | None = None  # this rank's part of the reduced gradient, norm^2
         self._before: list[list[Tensor]] | None = None
 
     @property
@@ -161,12 +167,15 @@ class ShardLabVitals(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         units, sharded = vital_units(trainer, pl_module)
         gather = functools.partial(self._gather, trainer)
-        self._start(units, sharded, trainer.is_global_zero, list(trainer.loggers), gather, type(pl_module).__name__)
+        title, device = type(pl_module).__name__, trainer.strategy.root_device
+        self._start(units, sharded, trainer.is_global_zero, list(trainer.loggers), gather, title, device)
 
-    def _start(self, units: list[VitalUnit], sharded: Any, zero: bool, loggers: list, gather: Any, title: str) -> None:
-        self.units, self.sharded = units, sharded
+    def _start(
+        self, units: list[VitalUnit], sharded: Any, zero: bool, loggers: list, gather: Any, title: str, device: Any
+    ) -> None:
+        self.units, self.sharded, self.device = units, sharded, device
         self._zero, self._loggers, self._gather_row, self._title = zero, loggers, gather, title
-        self.activations = ActivationStats(self.units)
+        self.activations = ActivationStats(self.units, device)
         if self.sharded is not None:
             self.sharded.grad_observers.append(self._observe_flat_grad)
         self.batches, self.steps, self.rows = 0, [], []
@@ -191,7 +200,9 @@ class ShardLabVitals(L.Callback):
         units = [VitalUnit(u.name, u.module, [fp.master for fp in u.flat_params if fp.layout.requires_grad])
                  for u in sharded.units]  # fmt: skip
         name = type(getattr(model, "module", model)).__name__
-        self._start(units, sharded, fabric.global_rank == 0, list(fabric.loggers), self._gather_comm, name)
+        self._start(
+            units, sharded, fabric.global_rank == 0, list(fabric.loggers), self._gather_comm, name, sharded.comm.device
+        )
 
     def step_start(self) -> None:
         self.on_train_batch_start(None, None, None, 0)  # type: ignore[arg-type]
@@ -218,13 +229,14 @@ class ShardLabVitals(L.Callback):
         self.activations.active = self.batches % self.every_n_steps == 0
         self.activations.sums.clear()
         self._local_sq.clear()
-        self._shard_grad_sq, self._before = math.nan, None
+        self._shard_grad_sq, self._before = None, None
 
     def _observe_flat_grad(self, unit: Any, fp: Any, flat: Tensor) -> None:
-        """This rank's own gradient of ``unit`` (a flat grad about to be reduce-scattered)."""
+        """This rank's own gradient of ``unit`` (a flat grad about to be reduce-scattered); summed on the device."""
         if self.activations is not None and self.activations.active:
-            sq = float(torch.linalg.vector_norm(flat.detach().float()) ** 2)
-            self._local_sq[unit.name] = self._local_sq.get(unit.name, 0.0) + sq
+            sq = torch.linalg.vector_norm(flat.detach().double()) ** 2
+            before = self._local_sq.get(unit.name)
+            self._local_sq[unit.name] = sq if before is None else before + sq
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Optimizer) -> None:
         if not (self.activations and self.activations.active):
@@ -232,8 +244,8 @@ class ShardLabVitals(L.Callback):
         originals = [p for group in optimizer.param_groups for p in group["params"]]
         shards = self.sharded.masters(originals) if self.sharded is not None else originals
         grads = [m.grad for m in shards if m.grad is not None]  # this rank's gradient shards
-        sq = sum(float(torch.linalg.vector_norm(g.float()) ** 2) for g in grads)
-        self._shard_grad_sq = sq if math.isnan(self._shard_grad_sq) else self._shard_grad_sq + sq
+        sq = sum((self._here(torch.linalg.vector_norm(g.double()) ** 2) for g in grads), self._scalar(0.0))
+        self._shard_grad_sq = sq if self._shard_grad_sq is None else self._shard_grad_sq + sq
         if self._before is None:  # several optimizers: the first one's call sees the weights before any step
             self._before = [[m.detach().clone() for m in u.masters] for u in self.units]
 
@@ -280,37 +292,49 @@ class ShardLabVitals(L.Callback):
     # ---- measuring, gathering, logging ----
 
     def _measure(self, outputs: Any, timing: list[float]) -> Tensor:
-        """This rank's row: its signals, then the sums the global signs are made of. 1-D float64."""
+        """This rank's row: its signals, then the sums the global signs are made of. 1-D float64, made on the
+        device from what was summed there (no read by the host: the row's all-gather brings it over once)."""
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        local = [self._local_norm(u) for u in self.units]
-        measured = [v for v in local if not math.isnan(v)]
-        row = [
-            float(loss) if isinstance(loss, Tensor) and loss.numel() == 1 else math.nan,
-            math.sqrt(sum(v * v for v in measured)) if measured else math.nan,
-            *timing,
-        ]
-        assert self.activations is not None
-        for unit, norm in zip(self.units, local):
-            row += [*self.activations.take(unit.name), norm]
-        row.append(self._shard_grad_sq)
-        for i, unit in enumerate(self.units):
-            row += self._update_sums(i, unit)
-        return torch.tensor(row, dtype=torch.float64)
-
-    def _local_norm(self, unit: VitalUnit) -> float:
-        sq = self._local_sq.get(unit.name)
-        return math.nan if sq is None else math.sqrt(sq)
-
-    def _update_sums(self, i: int, unit: VitalUnit) -> list[float]:
-        """(|Δw|^2, |w|^2) of this rank's masters of ``unit`` in this step; NaN without a step."""
-        if self._before is None or not unit.masters:
-            return [math.nan, math.nan]
-        delta = sum(
-            float(torch.linalg.vector_norm((m.detach() - b).double()) ** 2)
-            for m, b in zip(unit.masters, self._before[i])
+        loss = (
+            self._here(loss.detach().double().reshape(())) if isinstance(loss, Tensor) and loss.numel() == 1 else None
         )
-        weight = sum(float(torch.linalg.vector_norm(b.double()) ** 2) for b in self._before[i])
-        return [delta, weight]
+        local = torch.stack([self._local_norm(u) for u in self.units]) if self.units else self._nan(0)
+        seen = ~torch.isnan(local)
+        overall = torch.where(seen.any(), torch.sqrt(torch.nansum(local**2)), math.nan)
+        assert self.activations is not None
+        parts = [
+            (self._scalar(math.nan) if loss is None else loss).reshape(1),
+            overall.reshape(1),
+            to_device(torch.tensor(timing, dtype=torch.float64), self.device),  # host clocks: up without a wait
+        ]
+        for unit, norm in zip(self.units, local):
+            parts += [self.activations.take(unit.name), norm.reshape(1)]
+        parts.append((self._scalar(math.nan) if self._shard_grad_sq is None else self._shard_grad_sq).reshape(1))
+        parts += [self._update_sums(i, unit) for i, unit in enumerate(self.units)]
+        return torch.cat(parts)
+
+    def _scalar(self, value: float) -> Tensor:
+        return torch.full((), value, dtype=torch.float64, device=self.device)
+
+    def _nan(self, n: int) -> Tensor:
+        return torch.full((n,), math.nan, dtype=torch.float64, device=self.device)
+
+    def _here(self, t: Tensor) -> Tensor:
+        """``t`` on this rank's device (an offloaded master's sums come up from the host without a wait)."""
+        return to_device(t, self.device)
+
+    def _local_norm(self, unit: VitalUnit) -> Tensor:
+        sq = self._local_sq.get(unit.name)
+        return self._scalar(math.nan) if sq is None else self._here(torch.sqrt(sq))
+
+    def _update_sums(self, i: int, unit: VitalUnit) -> Tensor:
+        """(|Δw|^2, |w|^2) of this rank's masters of ``unit`` in this step; NaN without a step. 1-D, 2."""
+        if self._before is None or not unit.masters:
+            return self._nan(2)
+        pairs = list(zip(unit.masters, self._before[i]))
+        delta = sum(self._here(torch.linalg.vector_norm((m.detach() - b).double()) ** 2) for m, b in pairs)
+        weight = sum(self._here(torch.linalg.vector_norm(b.double()) ** 2) for _, b in pairs)
+        return torch.stack([delta, weight])
 
     def _globals(self, everyone: np.ndarray) -> list[float]:
         """grad_norm and each unit's update ratio from every rank's sums: shards partition the weights (sum those
