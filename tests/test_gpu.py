@@ -37,19 +37,30 @@ def test_two_ranks_sharing_one_gpu_pass_stage3_parity(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["world_size"] == 2
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_2x2_hybrid_layout_of_four_ranks_sharing_one_gpu_matches_the_reference(stage: int) -> None:
-    """Two shard groups of two, four ranks on one device (the proxy: gloo, staged through host memory)."""
-    kwargs = {"world_size": 4, "stage": stage, "accelerator": "cuda", "devices": 1, "ranks_per_device": 4}
-    (report, *_) = run_ranks("tests.test_trainer:gpt_parity", 4, {**kwargs, "shard_group_size": 2}, timeout=300)
-    assert report["replicas"] == 2 and report["shard_group"] == [0, 1], report
+def every_stage(target: str, **kwargs: Any) -> list[Any]:
+    """``target(stage=s, **kwargs)`` for stages 1, 2, 3 in turn, in one launch: what each returned."""
+    import importlib
+
+    module, name = target.split(":")
+    fn = getattr(importlib.import_module(module), name)
+    return [fn(stage=stage, **kwargs) for stage in (1, 2, 3)]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_bf16_mixed_on_two_ranks_sharing_one_gpu_matches_the_same_recipe(stage: int) -> None:
-    """precision="bf16-mixed" through the Trainer on the GPU against the same recipe unsharded (on CPU)."""
-    kwargs = {"world_size": 2, "stage": stage, "accelerator": "cuda"}
-    run_ranks("tests.test_mixed_precision:trainer_bf16_mixed", 2, kwargs, timeout=300)
+def test_a_2x2_hybrid_layout_of_four_ranks_sharing_one_gpu_matches_the_reference() -> None:
+    """Two shard groups of two, four ranks on one device (the proxy: gloo, staged through host memory), stages
+    1-3 in one launch."""
+    kwargs = {"world_size": 4, "accelerator": "cuda", "devices": 1, "ranks_per_device": 4, "shard_group_size": 2}
+    (reports, *_) = run_ranks(
+        "tests.test_gpu:every_stage", 4, {"target": "tests.test_trainer:gpt_parity", **kwargs}, timeout=600
+    )
+    assert all(r["replicas"] == 2 and r["shard_group"] == [0, 1] for r in reports), reports
+
+
+def test_bf16_mixed_on_two_ranks_sharing_one_gpu_matches_the_same_recipe() -> None:
+    """precision="bf16-mixed" through the Trainer on the GPU against the same recipe unsharded (on CPU), stages
+    1-3 in one launch."""
+    kwargs = {"target": "tests.test_mixed_precision:trainer_bf16_mixed", "world_size": 2, "accelerator": "cuda"}
+    run_ranks("tests.test_gpu:every_stage", 2, kwargs, timeout=600)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL with one rank per GPU needs 2 GPUs")
@@ -184,7 +195,7 @@ def nccl_alone() -> dict[str, bool]:
     if not dist.is_initialized():
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
     nccl = dist.new_group(backend="nccl")
-    exchange = HeaderExchange.open(Headers(0, 1), twin=dist.new_group(backend="gloo"))
+    exchange = HeaderExchange.open(Headers(0, 1), twin=dist.new_group(backend="gloo"), deferred=True)
     shard = torch.arange(8.0, device=device)
     gathered, reduced = torch.empty(8, device=device), torch.empty(8, device=device)
     torch.cuda.set_sync_debug_mode("error")

@@ -27,6 +27,7 @@ from lightning_shardlab import ShardLabBudget, ShardLabSanity, ShardLabStrategy
 from lightning_shardlab.comm import host_reads, host_side
 from tests.helpers.launch import run_ranks
 from tests.models.gpt import OrderedData, TinyGPT, token_dataset
+from tests.test_trainer import QUIET
 
 GPT = {"vocab": 61, "block_size": 8, "n_layer": 2, "n_embd": 32, "n_head": 4}
 STEPS, CHECK_EVERY = 11, 5
@@ -56,14 +57,10 @@ def fit(out: str, stage: int, twins: bool) -> dict[str, Any]:
             devices=2,
             strategy=ShardLabStrategy(stage=stage),
             max_steps=STEPS,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
             default_root_dir=out,
             callbacks=[reads, ShardLabBudget(Console(file=io.StringIO())), ShardLabSanity(every_n_steps=CHECK_EVERY)],
             limit_val_batches=0,
+            **QUIET,
         )
         trainer.fit(model, OrderedData(token_dataset(STEPS * 2 * 2, vocab=61, block_size=8), 2))
     finally:

@@ -149,10 +149,22 @@ def run_scenario(name: str, steps: int = 8) -> dict:
     return {"error": None, "step": step}
 
 
+DEFERRED = ("ulp_param", "duplicate")  # run again with the verdict a GPU gives (guard/device_check.py)
+
+
 def all_faults() -> dict:
+    """Every scenario, then ``DEFERRED`` again with the verdict given at the next step's start (under
+    ``deferred <name>``), in one launch."""
+    from lightning_shardlab.guard import device_check
+
     init_from_env()
     reports = {name: run_scenario(name) for name in SCENARIOS}
-    shutdown()
+    device_check.DEFER = True
+    try:
+        reports.update({f"deferred {name}": run_scenario(name) for name in DEFERRED})
+    finally:
+        device_check.DEFER = False
+        shutdown()
     return reports
 
 
@@ -250,25 +262,12 @@ def test_ranks_reading_the_same_batch_are_named(fault_reports: list[dict]) -> No
         assert "ranks 0, 2 received the same batch" in r["message"] and "DistributedSampler" in r["message"]
 
 
-def deferred_faults() -> dict:
-    """Two faults with the verdict a GPU gives (guard/device_check.py: at the next step's start)."""
-    from lightning_shardlab.guard import device_check
-
-    init_from_env()
-    device_check.DEFER = True
-    try:
-        return {name: run_scenario(name) for name in ("ulp_param", "duplicate")}
-    finally:
-        device_check.DEFER = False
-        shutdown()
-
-
-def test_a_gpus_verdict_comes_one_step_later_under_the_checks_name() -> None:
+def test_a_gpus_verdict_comes_one_step_later_under_the_checks_name(fault_reports: list[dict]) -> None:
     """On a GPU the digests come to the host behind the step's kernels: the check before step 6 (ulp_param)
     and before step 4 (duplicate) are judged as steps 7 and 5 begin, on every rank, named as the check (the nudged
     element was overwritten by step 6's refresh meanwhile: the message says the digests differed)."""
-    for rank, r in enumerate(run_ranks("tests.test_sanity:deferred_faults", 3, timeout=120)):
-        ulp, duplicate = r["ulp_param"], r["duplicate"]
+    for rank, r in enumerate(fault_reports):
+        ulp, duplicate = r["deferred ulp_param"], r["deferred duplicate"]
         assert ulp["error"] == "DivergenceError" and ulp["step"] == 7, ulp
         assert ulp["message"].startswith(f"[rank {rank}] silent divergence (before step 6): flat parameter blocks.0"), (
             ulp["message"]

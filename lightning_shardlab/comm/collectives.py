@@ -165,8 +165,8 @@ def enable_verification(comm: Comm, limit_bytes: int = MIN_LIMIT, builtin: bool 
         elif comm.backend == "gloo":  # gloo aborts on a payload of another size: the headers agree first
             comm.header_exchange = HeaderExchange.open(headers, comm.partition)
         else:  # NCCL: beside each call on the gloo twin, checked when it is waited for
-            twin = comm.host.group if comm.host is not None else HeaderExchange.open(headers, comm.partition).group
-            comm.header_exchange = HeaderExchange.open(headers, twin=twin)
+            twin = comm.host.group if comm.host is not None else None
+            comm.header_exchange = HeaderExchange.open(headers, comm.partition, twin, deferred=True)
     return comm.headers
 
 

@@ -162,17 +162,19 @@ class HeaderExchange:
 
     @staticmethod
     def open(
-        headers: Headers, partition: tuple[tuple[int, ...], ...] | None = None, twin: Any = None
+        headers: Headers,
+        partition: tuple[tuple[int, ...], ...] | None = None,
+        twin: Any = None,
+        deferred: bool = False,
     ) -> HeaderExchange:
-        """Collective (every rank, same point): a gloo group for the world, or for each group of ``partition``
-        (the groups of one kind of a mesh, comm/mesh.py), this rank's; or ``twin``, an NCCL group's gloo twin
-        (comm/host_side.py), whose headers are then checked after the fact."""
-        if twin is not None:
-            return HeaderExchange(twin, headers, deferred=True)
-        if partition is None:
-            return HeaderExchange(dist.new_group(backend="gloo"), headers)
-        group, _ = dist.new_subgroups_by_enumeration([list(p) for p in partition], backend="gloo")
-        return HeaderExchange(group, headers)
+        """On ``twin``, an NCCL group's gloo twin (comm/host_side.py); else collective (every rank, same point): a
+        gloo group for the world, or for each group of ``partition`` (the groups of one kind of a mesh,
+        comm/mesh.py), this rank's. ``deferred``: headers checked when the call is waited for (NCCL)."""
+        if twin is None and partition is None:
+            twin = dist.new_group(backend="gloo")
+        elif twin is None:
+            twin, _ = dist.new_subgroups_by_enumeration([list(p) for p in partition], backend="gloo")
+        return HeaderExchange(twin, headers, deferred)
 
     def _rows(self, everyone: Tensor) -> dict[int, Tensor]:
         rows = everyone.view(self.headers.world_size, HEADER)
