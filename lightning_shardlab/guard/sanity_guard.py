@@ -183,7 +183,9 @@ class SanityGuard:
             self.orderly.uninstall()
         for part in (self.watchdog, self.orderly, self.strict):
             if part is not None and part.channel is not None:
-                part.channel.close()  # the store connections go now, not at the next garbage collection
+                # the store connections are free now, for the next checks (a watchdog thread still running
+                # after its join keeps its own)
+                part.channel.close(reuse=not (part is self.watchdog and self.watchdog.thread_alive))
         if self.strict is not None:
             self.strict.store = None  # type: ignore[assignment]
 

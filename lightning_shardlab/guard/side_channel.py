@@ -14,7 +14,11 @@ own torchrun attempt and opening (comm/store.py), and the default store carries 
 meets the dead attempt's sessions, however many channels each of its ranks had opened.
 
 Connections: ``Store.clone()`` opens a new connection to the same store; a client must not be shared by
-two threads (a blocking ``wait`` on one would stall the other), so the watchdog thread gets its own.
+two threads (a blocking ``wait`` on one would stall the other), so the watchdog thread gets its own. A channel
+that closes gives its connections back, and the next channels on the same store (the next ``fit``'s) take them
+again instead of connecting anew: every fit opens three or four per rank, and a connection to torch's TCPStore
+can take seconds to open (under some sandboxed network stacks one connect in ten or so waited 5 s, and every
+rank waited with it).
 """
 
 from __future__ import annotations
@@ -65,13 +69,37 @@ def process_gone(where: dict[str, Any]) -> bool:
         return False
 
 
+class _Connections:
+    """This process's idle connections to the default store: the current one's only (a new process group
+    brings a new store, and the old one's connections go with it)."""
+
+    def __init__(self) -> None:
+        self.store: dist.Store | None = None
+        self.idle: list[dist.Store] = []
+
+    def take(self, store: dist.Store, timeout_s: float) -> dist.Store:
+        if self.store is not store:
+            self.store, self.idle = store, []
+        client = self.idle.pop() if self.idle else store.clone()
+        client.set_timeout(timedelta(seconds=timeout_s))
+        return client
+
+    def give_back(self, store: dist.Store, clients: list[dist.Store]) -> None:
+        if self.store is store:
+            self.idle.extend(clients)
+
+
+_CONNECTIONS = _Connections()
+
+
 class SideChannel:
     """One purpose's namespace of the rendezvous store, on a connection of its own."""
 
     def __init__(self, purpose: str, rank: int, world_size: int, store: dist.Store, timeout_s: float = 30.0) -> None:
-        self.purpose, self.rank, self.world_size = purpose, rank, world_size
-        self._base = store.clone()
-        self._base.set_timeout(timedelta(seconds=timeout_s))
+        self.purpose, self.rank, self.world_size, self.timeout_s = purpose, rank, world_size, timeout_s
+        self._origin = store
+        self._base = _CONNECTIONS.take(store, timeout_s)
+        self._clients = [self._base]
         session = self._base.add(f"shardlab/{purpose}/session/{rank}", 1)
         self.prefix = f"shardlab/{purpose}/{session}"  # PrefixStore adds the "/"
         self.store = dist.PrefixStore(self.prefix, self._base)
@@ -86,11 +114,16 @@ class SideChannel:
 
     def connection(self) -> dist.PrefixStore:
         """Another connection to the same namespace (one per thread)."""
-        return dist.PrefixStore(self.prefix, self._base.clone())
+        client = _CONNECTIONS.take(self._origin, self.timeout_s)
+        self._clients.append(client)
+        return dist.PrefixStore(self.prefix, client)
 
-    def close(self) -> None:
-        """Let go of this channel's connection once its checks are over: a connection closes when its last
-        client object goes, which a finished Trainer's reference cycles would otherwise put off."""
+    def close(self, reuse: bool = True) -> None:
+        """Let go of this channel's connections once its checks are over, for later channels to use again
+        (``reuse=False`` when a thread may still be using one: they close when their last client object goes)."""
+        if reuse:
+            _CONNECTIONS.give_back(self._origin, self._clients)
+        self._clients = []
         self.store = self._base = None  # type: ignore[assignment]
 
     # ---- JSON values on this channel's own connection ----

@@ -109,6 +109,11 @@ class Watchdog(CollectiveObserver):
     def active(self) -> bool:
         return self._thread is not None and not self._closed.is_set()
 
+    @property
+    def thread_alive(self) -> bool:
+        """The thread still runs (before ``close``, or when its join timed out)."""
+        return self._thread is not None and self._thread.is_alive()
+
     # ---- life cycle (main thread) ----
 
     def start(self) -> Watchdog:
