@@ -56,9 +56,7 @@ class StepPeak:
             self._watched = [weakref.finalize(storage, self._free, storage.nbytes()) for storage in live]
             from torch.profiler import ProfilerActivity, profile
 
-            self.profiler = profile(
-                activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-            )
+            self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self.profiler.__enter__()
         self.phase(first)
 
@@ -97,10 +95,11 @@ class StepPeak:
 def phase_peaks(profiler: Any, at_start: int, freed: list[tuple[int, int]]) -> dict[str, dict[str, Any]]:
     """Each marked phase's largest live CPU total in a profiled step: ``at_start`` plus the running sum of the
     step's allocations (+) and frees (-), ``freed`` among them, at its largest inside the phase."""
-    from torch.profiler._memory_profiler import _EventType
+    from torch.profiler._memory_profiler import _EventType, OpTree
 
+    # the profiled events as a tree (what torch's memory profile starts from; its categories are not needed here)
     windows, allocations = {}, []
-    for event in profiler._memory_profile()._op_tree.dfs():
+    for event in OpTree(profiler.profiler.kineto_results).dfs():
         name = _name(event)
         if name.startswith("shardlab::phase "):
             windows[name.removeprefix("shardlab::phase ")] = (event.start_time_ns, event.end_time_ns)
