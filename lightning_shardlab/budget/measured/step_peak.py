@@ -95,7 +95,7 @@ class StepPeak:
 def phase_peaks(profiler: Any, at_start: int, freed: list[tuple[int, int]]) -> dict[str, dict[str, Any]]:
     """Each marked phase's largest live CPU total in a profiled step: ``at_start`` plus the running sum of the
     step's allocations (+) and frees (-), ``freed`` among them, at its largest inside the phase."""
-    from torch.profiler._memory_profiler import _EventType, OpTree
+    from torch.profiler._memory_profiler import OpTree, _EventType
 
     # the profiled events as a tree (what torch's memory profile starts from; its categories are not needed here)
     windows, allocations = {}, []
