@@ -430,7 +430,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-        # What an earlier fit left (its trainer, callbacks and the guard's side channels, a model no longer used)
-        # lives in reference cycles, holding connections to the rendezvous store until the garbage collector runs;
-        # left to chance, a later fit's first connection to the store waited 5 s for them on 4 ranks of 2 cores.
+        # What an earlier fit left (its trainer, callbacks, a model no longer used) lives in reference cycles:
+        # collected now, so that its memory goes with it rather than at some collection in the middle of the next
+        # fit (the guard's store connections go back to their pool when its checks close: guard/side_channel.py)
         gc.collect()

@@ -9,8 +9,9 @@ Starting a rank costs seconds (torch and Lightning imports), most of what a shor
 expects to succeed goes to a *kept world* (tests/helpers/worlds.py): N ranks started once per world size and
 reused by the tests after it, one job at a time, each job with a fresh port and the environment as it was. A
 job that fails or passes its timeout ends its world (the next job starts a new one). Runs that expect a rank
-to fail, or that set their own environment (a process's allocator, its memory cap), start their own
-processes; ``SHARDLAB_TEST_FRESH_WORLDS=1`` makes every run do so. A test that counts a process's live tensors
+to fail start ranks of their own, forked from a process that has done the imports (tests/helpers/zygote.py); runs
+that set their own environment (a process's allocator, its memory cap) start interpreters of their own;
+``SHARDLAB_TEST_FRESH_WORLDS=1`` makes every run start fresh ranks. A test that counts a process's live tensors
 counts those its own run made (a kept process holds what earlier jobs left).
 """
 
@@ -49,13 +50,16 @@ def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
+def _kill(procs: list[Any]) -> None:
+    """Kill each process's whole session (a forked rank may not have made its own yet: then the process)."""
     for p in procs:
         if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(p.pid, signal.SIGKILL)
+                    break
+                except ProcessLookupError:
+                    pass
     for p in procs:
         p.wait()
 
@@ -85,6 +89,17 @@ def spawn(command: list[str], env: dict[str, str], log: Path) -> subprocess.Pope
         )
 
 
+def start_rank(argv: list[str], env: dict[str, str], log: Path, forked: bool = True) -> Any:
+    """One rank running ``python -m tests.helpers.worker ARGV``: forked from the preloaded server
+    (tests/helpers/zygote.py), or, for a run that sets variables read as the interpreter starts
+    (``forked=False``), an interpreter of its own."""
+    if forked:
+        from tests.helpers.zygote import ForkedRank
+
+        return ForkedRank(argv, env, log)
+    return spawn([sys.executable, "-m", "tests.helpers.worker", *argv], env, log)
+
+
 def run_ranks(
     target: str,
     world_size: int,
@@ -107,9 +122,9 @@ def run_ranks(
     out = Path(tempfile.mkdtemp(prefix="shardlab-test-"))
     (out / "kwargs.json").write_text(json.dumps(kwargs or {}))
     port = free_port()
-    command = [sys.executable, "-m", "tests.helpers.worker", target, str(out)]
     procs = [
-        spawn(command, rank_env(rank, world_size, port, env), out / f"rank{rank}.log") for rank in range(world_size)
+        start_rank([target, str(out)], rank_env(rank, world_size, port, env), out / f"rank{rank}.log", forked=not env)
+        for rank in range(world_size)
     ]
     deadline = time.monotonic() + timeout
     try:

@@ -1,6 +1,7 @@
 """One rank of a ``tests.helpers.launch.run_ranks`` run.
 
-``python -m tests.helpers.worker module:function OUT_DIR`` runs one job and exits;
+``python -m tests.helpers.worker module:function OUT_DIR`` runs one job and exits (``run_one``, also what a rank
+forked by tests/helpers/zygote.py runs);
 ``python -m tests.helpers.worker --serve DIR`` is one rank of a kept world (tests/helpers/worlds.py): it runs
 ``DIR/job{n}.json`` for n = 0, 1, ... as they appear, each with that job's port and the environment and
 working directory restored afterwards, and leaves when its parent (the test session) is gone.
@@ -54,7 +55,7 @@ def serve(directory: Path) -> None:
         n += 1
 
 
-def main() -> None:
+def prepare() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     import lightning_shardlab  # noqa: F401  (what every job imports)
@@ -62,11 +63,22 @@ def main() -> None:
     # the imports' objects live as long as the process: a full collection (the strategy's teardown runs one per
     # fit) would walk them all each time, a fifth of a second apiece
     gc.freeze()
-    if sys.argv[1] == "--serve":
-        serve(Path(sys.argv[2]))
-        return
-    target, out = sys.argv[1], Path(sys.argv[2])
+
+
+def run_one(target: str, out: Path) -> None:
+    """One job in this process (a fresh rank): its return value into ``out``."""
+    prepare()
     save(call(target, json.loads((out / "kwargs.json").read_text())), out / f"rank{os.environ['RANK']}.pt")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``argv``: ``module:function OUT_DIR`` or ``--serve DIR`` (the command line's, when None)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[0] == "--serve":
+        prepare()
+        serve(Path(args[1]))
+        return
+    run_one(args[0], Path(args[1]))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Kept worlds: N ranks started once and reused by many ``run_ranks`` jobs, one job at a time.
 
-A rank's start (imports of torch and Lightning, ~4 s of CPU) is most of what a short multi-rank test costs;
-a kept world pays it once per world size per session. Each job gets a fresh port (so a job that opens and
-destroys its process group, and a Lightning fit that keeps one, both work after any other job), runs on
-every rank, and returns what each rank's function returned. A job that fails on any rank, or passes its
-timeout, kills its world and raises ``RankFailed`` with the rank's log; the next job starts a new world.
+A rank's start (forked from the preloaded server of tests/helpers/zygote.py, then its process group) costs more
+than a short multi-rank test; a kept world pays it once per world size per session. Each job gets a fresh port
+(so a job that opens and destroys its process group, and a Lightning fit that keeps one, both work after any
+other job), runs on every rank, and returns what each rank's function returned. A job that fails on any rank, or
+passes its timeout, kills its world and raises ``RankFailed`` with the rank's log; the next job starts a new world.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tests.helpers.launch import RankFailed, _kill, _tail, free_port, rank_env, spawn
+from tests.helpers.launch import RankFailed, _kill, _tail, free_port, rank_env, start_rank
 
 _WORLDS: dict[int, KeptWorld] = {}
 
@@ -29,9 +28,9 @@ class KeptWorld:
     def __init__(self, world_size: int) -> None:
         self.world_size, self.jobs = world_size, 0
         self.dir = Path(tempfile.mkdtemp(prefix=f"shardlab-world{world_size}-"))
-        command = [sys.executable, "-m", "tests.helpers.worker", "--serve", str(self.dir)]
+        serve = ["--serve", str(self.dir)]
         self.procs = [
-            spawn(command, rank_env(rank, world_size, free_port()), self.dir / f"rank{rank}.log")
+            start_rank(serve, rank_env(rank, world_size, free_port()), self.dir / f"rank{rank}.log")
             for rank in range(world_size)
         ]
 
