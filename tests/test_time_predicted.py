@@ -22,7 +22,7 @@ from lightning_shardlab.budget.predicted.compute_trace import (
 from lightning_shardlab.budget.predicted.plan import plan_model
 from lightning_shardlab.budget.predicted.plan_time import TimedSetting, plan_time
 from lightning_shardlab.budget.predicted.run_time import time_predicted_for_run
-from lightning_shardlab.budget.predicted.step_time import PARTS, Links, predict_step_time
+from lightning_shardlab.budget.predicted.step_time import PARTS, Links, Timeline, predict_step_time
 from lightning_shardlab.budget.predicted.zero_table import INTERCONNECTS, Interconnect
 from lightning_shardlab.cli.plan import main
 from lightning_shardlab.core.config import Accumulation, PrecisionPolicy, ShardLabConfig, Stage
@@ -69,10 +69,25 @@ def test_every_key_is_there_non_negative_and_the_step_is_the_sum_of_its_parts(st
     assert all(v["forward"] > 0 and v["backward"] == pytest.approx(2 * v["forward"]) for v in time["by_unit"].values())
     assert time["forward"] == pytest.approx(sum(v["forward"] for v in time["by_unit"].values()))
     assert set(time["by_collective"]) == {"all_gather", "reduce_scatter"}
-    wire = sum(v["seconds"] for v in time["by_collective"].values())
-    exposed = sum(v["exposed"] for v in time["by_collective"].values())
-    assert exposed == pytest.approx(time["comm_exposed"]) and wire == pytest.approx(exposed + time["comm_hidden"])
+    kinds = time["by_collective"].values()
+    exposed, hidden = sum(v["exposed"] for v in kinds), sum(v["hidden"] for v in kinds)
+    assert exposed == pytest.approx(time["comm_exposed"]) and hidden == pytest.approx(time["comm_hidden"])
+    for v in kinds:  # each call flies from its launch to its end: before its wait (hidden), then waited for
+        assert v["in_flight"] == pytest.approx(v["hidden"] + v["exposed"]) and v["in_flight"] >= v["seconds"] * (
+            1 - 1e-9
+        )
     assert time["optimizer"] > 0
+
+
+def test_a_call_in_flight_is_hidden_until_its_wait_and_exposed_after_it_as_the_clock_counts_it() -> None:
+    line = Timeline()
+    line.launch(("gather", "a"), "all_gather", "intra", 1.0)
+    line.launch(("gather", "b"), "all_gather", "intra", 0.5)  # queued behind the first: 1.0 s to 1.5 s
+    line.compute(1.2)
+    line.wait(("gather", "a"))  # ended at 1.0, before its wait: hidden 1.0
+    line.wait(("gather", "b"))  # waited for from 1.2 to 1.5: hidden 1.2, exposed 0.3
+    assert line.hidden["all_gather"] == pytest.approx(2.2) and line.exposed["all_gather"] == pytest.approx(0.3)
+    assert line.in_flight["all_gather"] == pytest.approx(2.5) and line.wire["all_gather"] == pytest.approx(1.5)
 
 
 @pytest.mark.parametrize(

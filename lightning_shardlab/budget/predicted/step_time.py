@@ -6,7 +6,7 @@ gloo on its queue). A collective launched at time t starts when its link is free
 it ends; what the waits block is ``comm_exposed``, by the kind of collective waited for. Then, seconds per step:
 
     step        = forward + backward + optimizer + data + comm_exposed + waiting_for_ranks
-    comm_hidden = sum of every collective's time on the wire - comm_exposed   (in flight while computing)
+    comm_hidden = each collective's seconds in flight before its wait, summed   (in flight while computing)
 
 and by collective kind its seconds on the wire, ``exposed``, ``hidden`` and ``in_flight`` (each call from its launch to
 its end, queued behind others included: what a clock at the engine's seams sees as in flight, budget/measured/).
@@ -93,9 +93,10 @@ class Timeline:
     def __init__(self) -> None:
         self.now = 0.0  # seconds
         self.free: dict[str, float] = {}  # link -> when it is next free
-        self.pending: dict[tuple[str, str], tuple[float, str]] = {}  # (what, unit) -> (when it ends, kind)
+        self.pending: dict[tuple[str, str], tuple[float, str, float]] = {}  # (what, unit) -> (end, kind, launched)
         self.wire: dict[str, float] = {}  # kind -> seconds on the wire
         self.exposed: dict[str, float] = {}  # kind -> seconds compute waited for it
+        self.hidden: dict[str, float] = {}  # kind -> seconds each call flew before its wait (queued behind others too)
         self.in_flight: dict[str, float] = {}  # kind -> seconds from each launch to its end (queued behind others too)
 
     def compute(self, seconds: float) -> None:
@@ -106,12 +107,15 @@ class Timeline:
             return
         start = max(self.now, self.free.get(link, 0.0))
         self.free[link] = start + seconds
-        self.pending[key] = (start + seconds, kind)
+        self.pending[key] = (start + seconds, kind, self.now)
         self.wire[kind] = self.wire.get(kind, 0.0) + seconds
         self.in_flight[kind] = self.in_flight.get(kind, 0.0) + start + seconds - self.now
 
     def wait(self, key: tuple[str, str]) -> None:
-        end, kind = self.pending.pop(key, (0.0, ""))
+        if key not in self.pending:
+            return
+        end, kind, launched = self.pending.pop(key)
+        self.hidden[kind] = self.hidden.get(kind, 0.0) + min(end, self.now) - launched
         if end > self.now:
             self.exposed[kind] = self.exposed.get(kind, 0.0) + end - self.now
             self.now = end
@@ -322,20 +326,20 @@ def _result(
     return {
         "step": sum(parts[k] for k in PARTS),
         **parts,
-        "comm_hidden": max(sum(line.wire.values(), 0.0) - parts["comm_exposed"], 0.0),
+        "comm_hidden": sum(line.hidden.values(), 0.0),
         "by_unit": {t.name: {"forward": m * t.forward, "backward": m * t.backward} for t in times},
         "by_collective": {kind: _kind(line, kind) for kind in line.wire},
     }
 
 
 def _kind(line: Timeline, kind: str) -> dict[str, float]:
-    """One collective kind per step: its seconds on the wire, the part compute waited for, the rest (hidden), and
-    its calls' seconds from launch to end (``in_flight``: queued behind others too, as a clock at the seams sees it)."""
-    seconds, exposed = line.wire[kind], line.exposed.get(kind, 0.0)
+    """One collective kind per step: its seconds on the wire, the part compute waited for, its calls' seconds in
+    flight before their waits (hidden: as the measured side counts it, budget/measured/step_time.py) and from launch
+    to end (``in_flight`` = hidden + exposed: queued behind others too, as a clock at the seams sees it)."""
     return {
-        "seconds": seconds,
-        "exposed": exposed,
-        "hidden": max(seconds - exposed, 0.0),
+        "seconds": line.wire[kind],
+        "exposed": line.exposed.get(kind, 0.0),
+        "hidden": line.hidden.get(kind, 0.0),
         "in_flight": line.in_flight[kind],
     }
 
