@@ -31,7 +31,16 @@ threads that carry a collective share the two cores with the two ranks computing
 compute progresses only between kernels; its time in flight is many times what the link takes idle (the link is
 timed at the end of fit, with nothing else running), and at stage 3 the prefetched all-gathers and the reduce-scatter
 in flight arrive late and are waited for. The 2x2 hybrid layout runs 4 ranks on 2 cores: the model gives each rank
-half the measured rate (``sharing_cores``), but the ranks' waits overlap each other's compute, so it over-predicts."""
+half the measured rate (``sharing_cores``), but the ranks' waits overlap each other's compute, so it over-predicts.
+
+``comm_hidden`` is counted the same way on both sides (since 2026-12-05): each call from its launch to its wait, or
+to its end if that comes first, time queued behind other calls included; before, the predicted side counted only
+the seconds on the wire that were not waited for, and stage 2's ratio read 14-24 instead of 2.5-4.5. Tried and left
+out the same day: giving a link a share of its speed while its rank computes, measured by launching a 4-32 MiB
+all-gather behind 384 x 384 matrix products on every rank. The share came out anywhere from 0.01 to 0.71 from one
+run to the next on this machine (about 0.5 in the middle), too unsteady to price a run with, and even at 0.5 stage
+3's all-gathers were predicted 4.5 times short in flight: the contention inside a training step is worse than such
+a probe shows."""
 PARTS = ("step", "forward", "backward", "optimizer", "comm_exposed", "comm_hidden")
 
 

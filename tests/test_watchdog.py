@@ -183,3 +183,30 @@ def test_a_collective_the_device_never_finishes_is_found_without_a_host_wait() -
     assert queue.stuck(now=12.0, timeout_s=10.0) is second
     never.done = True
     assert queue.stuck(now=20.0, timeout_s=10.0) is None and len(queue) == 0
+
+
+def test_a_closed_channels_store_connections_serve_the_next_fits_channels() -> None:
+    """Side channels give their connections back when they close, and the next ones (the next fit's) take them
+    instead of connecting again; a channel whose thread may still use one keeps it out of the pool."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_shardlab.guard.side_channel import SideChannel
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+    first = SideChannel("watchdog", 0, 2, store)
+    first.connection()  # the watchdog thread's own
+    opened = {id(client) for client in first._clients}
+    first.close()
+    second = SideChannel("watchdog", 0, 2, store)
+    second.connection()
+    assert {id(client) for client in second._clients} == opened  # the same two connections: none opened
+    assert second.prefix != first.prefix  # a session of its own in the store
+    second.store.set("beat", "1")
+    assert second.read("beat") == 1
+    held = list(second._clients)
+    second.close(reuse=False)  # its thread may still hold one: both stay out of the pool
+    third = SideChannel("stop", 0, 2, store)
+    assert all(third._base is not client for client in held)
+    third.close()
