@@ -88,6 +88,7 @@ def test_a_call_in_flight_is_hidden_until_its_wait_and_exposed_after_it_as_the_c
     line.wait(("gather", "b"))  # waited for from 1.2 to 1.5: hidden 1.2, exposed 0.3
     assert line.hidden["all_gather"] == pytest.approx(2.2) and line.exposed["all_gather"] == pytest.approx(0.3)
     assert line.in_flight["all_gather"] == pytest.approx(2.5) and line.wire["all_gather"] == pytest.approx(1.5)
+    assert line.to_wait["all_gather"] == pytest.approx(1.2 + 1.5)  # a's end seen at its wait (1.2), b's at 1.5
 
 
 @pytest.mark.parametrize(

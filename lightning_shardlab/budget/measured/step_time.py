@@ -10,7 +10,10 @@ rank computes the same figures for every rank (on a GPU the device's seconds: ``
     data                from the end of the last step to the start of this one's forward (the loader, the loop)
     waiting_for_ranks   blocked on a collective before the last rank of its group had reached it
     comm_exposed        blocked on a collective after that: its data was on the way, compute did not hide it
-    comm_hidden         a collective in flight while this rank computed (not additive: it overlaps the rest)
+    comm_hidden         a collective in flight while this rank computed (not additive: it overlaps the rest);
+                        gloo's point-to-point works (the verified wire's, the pairwise transport's) have no
+                        future and say they are done only once waited for, so there a call counts up to its
+                        wait (compare with the prediction's ``to_wait``, not its ``in_flight``)
     step                the whole step; the six parts above add up to it (the clock attributes every moment)
 
 The same exchange names stragglers (budget/measured/stragglers.py) and, for one steady step, keeps every

@@ -97,6 +97,7 @@ class Timeline:
         self.wire: dict[str, float] = {}  # kind -> seconds on the wire
         self.exposed: dict[str, float] = {}  # kind -> seconds compute waited for it
         self.hidden: dict[str, float] = {}  # kind -> seconds each call flew before its wait (queued behind others too)
+        self.to_wait: dict[str, float] = {}  # kind -> seconds from each launch to the end of its wait
         self.in_flight: dict[str, float] = {}  # kind -> seconds from each launch to its end (queued behind others too)
 
     def compute(self, seconds: float) -> None:
@@ -116,6 +117,7 @@ class Timeline:
             return
         end, kind, launched = self.pending.pop(key)
         self.hidden[kind] = self.hidden.get(kind, 0.0) + min(end, self.now) - launched
+        self.to_wait[kind] = self.to_wait.get(kind, 0.0) + max(end, self.now) - launched
         if end > self.now:
             self.exposed[kind] = self.exposed.get(kind, 0.0) + end - self.now
             self.now = end
@@ -335,12 +337,15 @@ def _result(
 def _kind(line: Timeline, kind: str) -> dict[str, float]:
     """One collective kind per step: its seconds on the wire, the part compute waited for, its calls' seconds in
     flight before their waits (hidden: as the measured side counts it, budget/measured/step_time.py) and from launch
-    to end (``in_flight`` = hidden + exposed: queued behind others too, as a clock at the seams sees it)."""
+    to end (``in_flight`` = hidden + exposed: queued behind others too, as a clock at the seams sees it), and from
+    launch to the end of its wait (``to_wait``: what the seams see of a call whose works say they are done only when
+    waited for, as gloo's point-to-point ones: budget/measured/step_time.py)."""
     return {
         "seconds": line.wire[kind],
         "exposed": line.exposed.get(kind, 0.0),
         "hidden": line.hidden.get(kind, 0.0),
         "in_flight": line.in_flight[kind],
+        "to_wait": line.to_wait.get(kind, 0.0),
     }
 
 
