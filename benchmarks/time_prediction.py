@@ -87,16 +87,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", choices=list(VARIANTS), action="append", help="run this variant (repeatable); not saved")
     args = p.parse_args(argv)
-    samples: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    chosen = {name: VARIANTS[name] for name in args.only or VARIANTS}
+    samples: dict[str, list[dict]] = {name: [] for name in chosen}
     for repeat in range(1 if args.quick else args.repeats):
-        for name, (world, stage, group) in VARIANTS.items():
+        for name, (world, stage, group) in chosen.items():
             kwargs = {"stage": stage, "group": group, "steps": args.steps, "out": f"/tmp/time_prediction/{repeat}"}
             samples[name].append(run_ranks(run_rank, world, kwargs)[0])
             print(name, {k: round(v, 3) for k, v in ratios(samples[name][-1]).items()}, flush=True)
     text = report(samples, args)
     print(text)
-    if not args.quick:
+    if not args.quick and not args.only:
         (HERE / "TIME_PREDICTION.md").write_text(text)
 
 

@@ -39,7 +39,8 @@ from lightning_shardlab.budget.measured.tiers import tier_counters
 from lightning_shardlab.budget.predicted.activation_prediction import meta_clone, predict_for_batch
 from lightning_shardlab.budget.predicted.compute_trace import unit_flops_for_batch
 from lightning_shardlab.budget.predicted.optimizer_peak import optimizer_step_bytes
-from lightning_shardlab.budget.predicted.run_time import time_predicted_for_run
+from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, sharing_cores
+from lightning_shardlab.budget.predicted.run_time import run_rate, time_predicted_for_run
 from lightning_shardlab.budget.predicted.step_peak import predict_step_peak, timeline_for_batch
 from lightning_shardlab.budget.report import Measured, Run, rank_report
 from lightning_shardlab.budget.tables import print_budget
@@ -348,11 +349,24 @@ class ShardLabBudget(L.Callback):
         from the first batch's work, on the run's own links measured now with its own collectives."""
         if self.predicted_work is None:
             return {"error": "no batch was traced (a Fabric loop, or a model built in configure_model)"}
-        mesh = run.sharded.mesh
-        hosts = collectives.all_gather_object(socket.gethostname(), mesh.world, label="hosts", kind="budget")
+        mesh, here = run.sharded.mesh, socket.gethostname()
+        hosts = collectives.all_gather_object(here, mesh.world, label="hosts", kind="budget")
         link = measure_run_link(mesh.shard) if mesh.shard.world_size > 1 else None
         inter = measure_run_link(mesh.replica) if mesh.replica.world_size > 1 else None
+        rate = self._rate_in_turns(run, hosts)
         return time_predicted_for_run(
             run.sharded, self.predicted_work, run.micro_batches, run.precision,
-            link=link, inter=inter or link, optimizers=run.optimizers, ranks_here=hosts.count(socket.gethostname()),
+            link=link, inter=inter or link, optimizers=run.optimizers, ranks_here=hosts.count(here), rate=rate,
         )  # fmt: skip
+
+    def _rate_in_turns(self, run: Run, hosts: list[str]) -> ComputeRate | None:
+        """Collective (barriers): the compute rate measured by each rank while the other ranks of its machine wait
+        (one turn per rank of the most crowded machine), so that no probe shares the cores with another; the
+        rate is then this rank's share of them (``sharing_cores``)."""
+        here, rate = socket.gethostname(), None
+        turns, mine = max(hosts.count(h) for h in hosts), hosts[: run.sharded.mesh.world.rank].count(here)
+        for turn in range(turns if turns > 1 else 0):
+            if turn == mine and not self.predicted_work.error:
+                rate = run_rate(run.sharded, self.predicted_work)
+            collectives.barrier(run.sharded.mesh.world, label=f"rate probe {turn}")
+        return sharing_cores(rate, hosts.count(here)) if rate is not None else None

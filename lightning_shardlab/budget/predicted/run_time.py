@@ -67,6 +67,15 @@ def run_optimizer_work(
     return work + copies, cls.__name__
 
 
+def run_rate(sharded: ShardedModel, compute: ComputeTrace | None) -> ComputeRate:
+    """The compute rate measured on the run's device in its compute dtype, on the traced model's heaviest matmuls
+    (budget/predicted/compute_rate.py's ``measure_rate``, cached per process): what this process sustains while
+    nothing else runs beside it, so the ranks on one machine take turns to call it (budget/callback.py)."""
+    layouts = [fp.layout for u in sharded.forward_order for fp in u.flat_params]
+    dtype = sharded.policy.compute_dtype or (layouts[0].dtype if layouts else torch.float32)
+    return measure_rate(sharded.comm.device, dtype, compute.matmuls if compute is not None else None)
+
+
 def time_predicted_for_run(
     sharded: ShardedModel,
     unit_flops: ComputeTrace | dict[str, float] | None,
@@ -100,8 +109,7 @@ def time_predicted_for_run(
         }
     units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.forward_order}
     layouts = [lay for lays in units.values() for lay in lays]
-    dtype = sharded.policy.compute_dtype or (layouts[0].dtype if layouts else torch.float32)
-    rate = rate or sharing_cores(measure_rate(device, dtype, compute.matmuls), ranks_here)
+    rate = rate or sharing_cores(run_rate(sharded, compute), ranks_here)
     links = Links(link, inter or link, mesh.replica.world_size, mesh.reshard.world_size if mesh.regrouped else None)
     work, name = run_optimizer_work(sharded, optimizers, layouts)
     out = predict_step_time(
