@@ -1,17 +1,17 @@
 """Two gloo ranks on this machine, timed: what ``shardlab plan --interconnect local`` turns into a link.
 
-Its own two processes and process group, outside any run (no ledger, no Comm): it measures the raw link.
+Its own two processes and process group, outside any run (no ledger, no Comm): it measures the raw link, the way
+budget/measured/local_link.py times a run's own (batches of all-gathers launched together, at two sizes).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 
-
-def time_local_all_gathers(nbytes: int = 16 * 2**20, repeats: int = 5) -> tuple[float, float]:
-    """(median seconds of a one-element all-gather, of an all-gather of ``nbytes`` per rank) on two local ranks."""
+def time_local_all_gathers(sizes: tuple[int, ...], calls: int, repeats: int) -> list[float]:
+    """Median seconds of ``calls`` all-gathers launched together and waited for, of each of ``sizes`` bytes per
+    rank, on two local ranks."""
     import socket
 
     import torch.multiprocessing as mp
@@ -20,28 +20,29 @@ def time_local_all_gathers(nbytes: int = 16 * 2**20, repeats: int = 5) -> tuple[
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_calibrate, args=(port, nbytes, repeats, queue), nprocs=2, join=True)
+    mp.spawn(_calibrate, args=(port, sizes, calls, repeats, queue), nprocs=2, join=True)
     return queue.get()
 
 
-def _calibrate(rank: int, port: int, nbytes: int, repeats: int, queue: Any) -> None:
+def _calibrate(rank: int, port: int, sizes: tuple[int, ...], calls: int, repeats: int, queue: Any) -> None:
     import statistics
     import time
 
+    import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     timings = []
-    for numel in (1, nbytes // 4):
-        shard, full = torch.ones(numel), torch.empty(2 * numel)
-        dist.all_gather_single(full, shard)  # warm up
+    for nbytes in sizes:
+        shard, fulls = torch.ones(nbytes // 4), [torch.empty(2 * (nbytes // 4)) for _ in range(calls)]
         samples = []
-        for _ in range(repeats):
+        for _ in range(repeats + 1):  # the first warms the path up
             dist.barrier()
             start = time.perf_counter()
-            dist.all_gather_single(full, shard)
+            for work in [dist.all_gather_single(full, shard, async_op=True) for full in fulls]:
+                work.wait()
             samples.append(time.perf_counter() - start)
-        timings.append(statistics.median(samples))
+        timings.append(statistics.median(samples[1:]))
     if rank == 0:
-        queue.put(tuple(timings))
+        queue.put(timings)
     dist.destroy_process_group()

@@ -1,8 +1,14 @@
 """This machine's link, measured: for ``shardlab plan --interconnect local`` (two gloo ranks of its own, timed by
 comm/link_probe.py), and for a run's own prediction (its own group, timed with its own collectives at the end).
 
-Both time a one-element all-gather (the latency of one call) and one of ``nbytes`` per rank (its bandwidth), as
-a ring of the group's size moves them: (N-1)/N of the full tensor crosses each rank's link.
+Both time batches of ``CALLS`` all-gathers launched together and waited for (as the engine keeps several in flight:
+the refresh after an optimizer step, a prefetch behind a unit's gather), at two sizes per rank. A ring all-gather
+of ``b`` bytes per rank on N ranks costs ``(N-1) x latency + (N-1) x b / bandwidth`` (``Interconnect.ring_seconds``),
+and calls on one link follow each other, so a batch takes ``CALLS`` times that: the bandwidth is the slope between
+the two sizes and the latency what is left of the small batch. Two sizes, not a one-element call for the latency:
+on a shared machine one tiny call's time jumps many-fold between runs (a message too small to be pushed at once
+waits for the stack's timer) while calls of real size do not, and subtracting such a latency from a large call's
+time made a link read several times too fast.
 """
 
 from __future__ import annotations
@@ -17,34 +23,47 @@ from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.comm.link_probe import time_local_all_gathers
 
+CALLS = 4  # all-gathers per timed batch
+SIZES = (64 * 2**10, 4 * 2**20)  # bytes per rank of each call: the small and the large batch
+GATHERED = 64 * 2**20  # bytes: the most a run's probe gathers at once (its large calls shrink on many ranks)
 
-def _link(name: str, latency: float, seconds: float, nbytes: int, world_size: int) -> Interconnect:
-    """``nbytes``: one rank's shard; a ring all-gather brings each rank the other N-1 shards."""
-    crossing = (world_size - 1) * nbytes
-    bandwidth = crossing / max(seconds - latency, 1e-9)
+
+def fit_link(name: str, seconds: list[float], world_size: int, sizes: tuple[int, int] = SIZES) -> Interconnect:
+    """The link whose ring all-gathers take ``seconds`` for a batch of ``CALLS`` calls of each of ``sizes`` bytes
+    per rank on ``world_size`` ranks: bandwidth from the slope, latency from the intercept (at least 0)."""
+    (small, large), (t_small, t_large) = sizes, seconds
+    hops = CALLS * (world_size - 1)  # messages of one rank per batch, each of one shard
+    if t_large > t_small:
+        bandwidth = hops * (large - small) / (t_large - t_small)
+    else:  # noise swamped the difference: the large batch alone, its latency counted as transfer
+        bandwidth = hops * large / t_large
+    latency = max(t_small - hops * small / bandwidth, 0.0) / hops
     return Interconnect(f"{name}: {bandwidth / 1e9:.2f} GB/s, {latency * 1e6:.0f} us", bandwidth, latency)
 
 
-def measure_local_link(nbytes: int = 16 * 2**20, repeats: int = 5) -> Interconnect:
-    """The latency of a tiny all-gather and the bandwidth of a 16 MiB one, between two ranks on this machine."""
-    latency, seconds = time_local_all_gathers(nbytes, repeats)
-    bandwidth = (1 / 2) * nbytes / max(seconds - latency, 1e-9)  # a ring of 2: half the full tensor crosses
-    return Interconnect(f"local, measured: {bandwidth / 1e9:.2f} GB/s, {latency * 1e6:.0f} us", bandwidth, latency)
+def measure_local_link(repeats: int = 3) -> Interconnect:
+    """The link between two ranks of their own on this machine (gloo), from batches of all-gathers at two sizes."""
+    return fit_link("local, measured", time_local_all_gathers(SIZES, CALLS, repeats), 2)
 
 
-def measure_run_link(comm: Comm, nbytes: int = 4 * 2**20, repeats: int = 3) -> Interconnect:
+def measure_run_link(comm: Comm, repeats: int = 3) -> Interconnect:
     """Collective (every rank of ``comm``): the run's own link, timed with its own all-gathers (its transport, its
     ranks), the slowest rank's medians deciding so that every rank predicts from the same link."""
+    sizes = (SIZES[0], max(2 * SIZES[0], min(SIZES[1], GATHERED // (CALLS * comm.world_size)) // 4 * 4))
     times = []
-    for numel in (1, nbytes // 4):
-        shard = torch.zeros(numel, device=comm.device)
-        full = torch.empty(numel * comm.world_size, device=comm.device)
+    for nbytes in sizes:
+        shard = torch.zeros(nbytes // 4, device=comm.device)
+        fulls = [torch.empty(nbytes // 4 * comm.world_size, device=comm.device) for _ in range(CALLS)]
         samples = []
         for _ in range(repeats + 1):  # the first warms the path up
             started = time.perf_counter()
-            collectives.all_gather(full, shard, comm, label="link probe", kind="budget")
+            calls = [
+                collectives.all_gather(full, shard, comm, label="link probe", kind="budget", async_op=True)
+                for full in fulls
+            ]
+            for call in calls:
+                call.wait()
             samples.append(time.perf_counter() - started)
         times.append(statistics.median(samples[1:]))
     slowest = collectives.all_reduce(torch.tensor(times, dtype=torch.float64), comm, op="max", label="link probe")
-    latency, seconds = slowest.tolist()
-    return _link(f"this run's {comm.scope} group, measured", latency, seconds, nbytes // 4 * 4, comm.world_size)
+    return fit_link(f"this run's {comm.scope} group, measured", slowest.tolist(), comm.world_size, sizes)
