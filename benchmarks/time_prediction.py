@@ -8,8 +8,8 @@ batch 8 per rank; fp32 AdamW), 2 CPU ranks with one thread each (gloo), or 4 ran
 (``shard_group_size=2``). What each rank's report holds is compared: ``time_measured`` (the step clock,
 budget/measured/step_time.py) against ``time_predicted`` (the step played on the engine's schedule from the first
 batch's traced work and the run's own links, timed at the end of fit: budget/predicted/run_time.py), for the step,
-its parts and each collective kind (on the wire: measured in flight from launch to completion, predicted
-``in_flight``). Variants run in turn within each repeat; the ratios are medians over repeats of rank 0's.
+its parts and each collective kind (on gloo's wire: from each launch to the end of its wait, predicted ``to_wait``;
+and the part waited for, ``exposed``). Variants run in turn within each repeat; the ratios are medians over repeats of rank 0's.
 """
 
 from __future__ import annotations
@@ -26,25 +26,30 @@ from benchmarks.ranks import run_ranks, timing_trainer
 HERE = Path(__file__).resolve().parent
 VARIANTS = {"stage 1": (2, 1, None), "stage 2": (2, 2, None), "stage 3": (2, 3, None), "stage 3, 2x2 hybrid": (4, 3, 2)}
 READING = """Reading it. The step and its compute parts are priced from the first batch's traced work at rates measured
-on this machine, and land near the measurement at stages 1-3. Communication does not: on a 2-core machine gloo's
-threads that carry a collective share the two cores with the two ranks computing, so a collective launched behind
-compute progresses only between kernels; its time in flight is many times what the link takes idle (the link is
-timed at the end of fit, with nothing else running), and at stage 3 the prefetched all-gathers and the reduce-scatter
-in flight arrive late and are waited for. The 2x2 hybrid layout runs 4 ranks on 2 cores: the model gives each rank
-half the measured rate (``sharing_cores``), but the ranks' waits overlap each other's compute, so it over-predicts.
+on this machine, and land near the measurement at stages 1-3 and on the 2x2 layout. The ranks of one machine take
+turns to measure the compute rate (budget/callback.py), and each then gets its share of the cores
+(``sharing_cores``): the 2x2 layout runs 4 ranks on 2 cores, half the rate each. (Until 2026-12-05 the four probes ran
+at once, already sharing the cores, and the share was taken again: the 2x2 step was predicted at twice its time.)
+
+The link is timed at the end of fit with batches of 4 all-gathers launched together at two sizes, its bandwidth the
+slope between them and its latency what remains (budget/measured/local_link.py). (Until 2026-12-05 the latency was
+a one-element call's time, which on this machine jumps between ~0.5 and ~4 ms from one run to the next while calls of
+real size do not; subtracting it made the link read up to 9 times too fast or 2 times too slow, and the stage 1-2
+refresh all-gathers came out at 0.54-0.67.)
 
 A call's time in flight cannot be measured on gloo's wire: its point-to-point works have no future and report
 completion only once waited for (tried: ``is_completed()`` stays False for a second on a 1000-element exchange that
 takes microseconds, until ``wait()``). So the measured side counts each call from its launch to the end of its wait,
 and the rows "launch to wait" hold it against the same span predicted (``to_wait``), not against the predicted time
-in flight; ``comm_hidden`` (to the wait, or the end if seen sooner) is likewise an upper bound here. Until
-2026-12-05 the rows compared it with the time in flight (stage 3's all-gathers: 8.9 times short), and the predicted
-``comm_hidden`` counted only the seconds on the wire not waited for. Tried and left
-out the same day: giving a link a share of its speed while its rank computes, measured by launching a 4-32 MiB
-all-gather behind 384 x 384 matrix products on every rank. The share came out anywhere from 0.01 to 0.71 from one
-run to the next on this machine (about 0.5 in the middle), too unsteady to price a run with, and even at 0.5 stage
-3's all-gathers were predicted 4.5 times short in flight: the contention inside a training step is worse than such
-a probe shows."""
+in flight; ``comm_hidden`` (to the wait, or the end if seen sooner) is likewise an upper bound here.
+
+What the model does not price: the part of a collective that compute waits for (``comm_exposed``, the rows
+"exposed"). On a 2-core machine gloo's threads that carry a collective share the two cores with the two ranks
+computing, so a collective launched behind compute progresses only between kernels and arrives late; the model
+prices the link as it runs idle. Tried and left out: giving a link a share of its speed while its rank computes,
+measured by launching a 4-32 MiB all-gather behind 384 x 384 matrix products on every rank. The share came out
+anywhere from 0.01 to 0.71 from one run to the next on this machine (about 0.5 in the middle), too unsteady to price
+a run with."""
 PARTS = ("step", "forward", "backward", "optimizer", "comm_exposed", "comm_hidden")
 
 

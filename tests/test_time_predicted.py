@@ -287,3 +287,44 @@ def test_one_reduce_scatter_in_flight_by_hand() -> None:
     # reduce_scatter: C's at B's post-backward (4), A's and the root's at the end of backward (2 + 2)
     assert line.exposed == pytest.approx({"all_gather": 3.0, "reduce_scatter": 8.0})
     assert line.now == pytest.approx(27.0 + 11.0)
+
+
+def test_the_link_is_the_slope_and_intercept_of_two_batch_sizes() -> None:
+    """budget/measured/local_link.py: batches of CALLS all-gathers at two sizes per rank give the bandwidth (slope)
+    and the latency (what is left of the small batch), for any group size; noise that makes the large batch no
+    slower than the small one falls back to the large batch alone."""
+    from lightning_shardlab.budget.measured.local_link import CALLS, SIZES, fit_link
+
+    true = Interconnect("true", bandwidth=2e9, latency=3e-4)
+    for world in (2, 4):
+        batch = [CALLS * true.ring_seconds(world * b, world) for b in SIZES]
+        link = fit_link("fitted", batch, world)
+        assert link.bandwidth == pytest.approx(true.bandwidth) and link.latency == pytest.approx(true.latency)
+        assert link.name.startswith("fitted: 2.00 GB/s, 300 us")
+    swamped = fit_link("noisy", [0.02, 0.01], 2)
+    assert swamped.bandwidth == pytest.approx(CALLS * SIZES[1] / 0.01) and swamped.latency == 0.0
+
+
+def test_the_ranks_of_one_machine_take_turns_to_measure_the_rate_and_share_it_once(monkeypatch) -> None:
+    """budget/callback.py: 3 ranks on host "a" and 1 on "b": 3 turns (barriers) on every rank; each measures in
+    its own turn (b's rank in the first), then takes its machine's share of the cores."""
+    from lightning_shardlab.budget import callback
+    from lightning_shardlab.budget.callback import ShardLabBudget
+
+    hosts, turns = ["a", "a", "b", "a"], []
+    monkeypatch.setattr(callback.collectives, "barrier", lambda comm, label="": turns.append(("barrier", label)))
+    monkeypatch.setattr(callback, "run_rate", lambda sharded, work: turns.append(("probe", sharded.host)) or RATE)
+    shared = []
+    monkeypatch.setattr(callback, "sharing_cores", lambda rate, here: shared.append(here) or rate)
+    for rank, host in enumerate(hosts):
+        monkeypatch.setattr(callback.socket, "gethostname", lambda host=host: host)
+        turns.clear()
+        budget = ShardLabBudget()
+        budget.predicted_work = SimpleNamespace(error=None)
+        run = SimpleNamespace(sharded=SimpleNamespace(host=host, mesh=SimpleNamespace(world=SimpleNamespace(rank=rank))))
+        assert budget._rate_in_turns(run, hosts) is RATE
+        mine = {0: 0, 1: 1, 2: 0, 3: 2}[rank]
+        expected = [("barrier", f"rate probe {t}") for t in range(3)]
+        expected.insert(mine, ("probe", host))
+        assert turns == expected, (rank, turns)
+    assert shared == [3, 3, 1, 3]

@@ -35,9 +35,9 @@ def fit_link(name: str, seconds: list[float], world_size: int, sizes: tuple[int,
     hops = CALLS * (world_size - 1)  # messages of one rank per batch, each of one shard
     if t_large > t_small:
         bandwidth = hops * (large - small) / (t_large - t_small)
+        latency = max(t_small - hops * small / bandwidth, 0.0) / hops
     else:  # noise swamped the difference: the large batch alone, its latency counted as transfer
-        bandwidth = hops * large / t_large
-    latency = max(t_small - hops * small / bandwidth, 0.0) / hops
+        bandwidth, latency = hops * large / t_large, 0.0
     return Interconnect(f"{name}: {bandwidth / 1e9:.2f} GB/s, {latency * 1e6:.0f} us", bandwidth, latency)
 
 
