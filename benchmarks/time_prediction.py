@@ -9,7 +9,8 @@ batch 8 per rank; fp32 AdamW), 2 CPU ranks with one thread each (gloo), or 4 ran
 budget/measured/step_time.py) against ``time_predicted`` (the step played on the engine's schedule from the first
 batch's traced work and the run's own links, timed at the end of fit: budget/predicted/run_time.py), for the step,
 its parts and each collective kind (on gloo's wire: from each launch to the end of its wait, predicted ``to_wait``;
-and the part waited for, ``exposed``). Variants run in turn within each repeat; the ratios are medians over repeats of rank 0's.
+and the part waited for, ``exposed``). Variants run in turn within each repeat; the ratios are medians over repeats
+of rank 0's.
 """
 
 from __future__ import annotations

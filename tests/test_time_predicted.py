@@ -321,7 +321,9 @@ def test_the_ranks_of_one_machine_take_turns_to_measure_the_rate_and_share_it_on
         turns.clear()
         budget = ShardLabBudget()
         budget.predicted_work = SimpleNamespace(error=None)
-        run = SimpleNamespace(sharded=SimpleNamespace(host=host, mesh=SimpleNamespace(world=SimpleNamespace(rank=rank))))
+        run = SimpleNamespace(
+            sharded=SimpleNamespace(host=host, mesh=SimpleNamespace(world=SimpleNamespace(rank=rank)))
+        )
         assert budget._rate_in_turns(run, hosts) is RATE
         mine = {0: 0, 1: 1, 2: 0, 3: 2}[rank]
         expected = [("barrier", f"rate probe {t}") for t in range(3)]

@@ -37,9 +37,9 @@ from lightning_shardlab.budget.measured.step_peak import StepPeak
 from lightning_shardlab.budget.measured.step_time import TimeMeter, align_timelines
 from lightning_shardlab.budget.measured.tiers import tier_counters
 from lightning_shardlab.budget.predicted.activation_prediction import meta_clone, predict_for_batch
+from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, sharing_cores
 from lightning_shardlab.budget.predicted.compute_trace import unit_flops_for_batch
 from lightning_shardlab.budget.predicted.optimizer_peak import optimizer_step_bytes
-from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, sharing_cores
 from lightning_shardlab.budget.predicted.run_time import run_rate, time_predicted_for_run
 from lightning_shardlab.budget.predicted.step_peak import predict_step_peak, timeline_for_batch
 from lightning_shardlab.budget.report import Measured, Run, rank_report
