@@ -51,7 +51,13 @@ prices the link as it runs idle. Tried and left out: giving a link a share of it
 measured by launching a 4-32 MiB all-gather behind 384 x 384 matrix products on every rank. The share came out
 anywhere from 0.01 to 0.71 from one run to the next on this machine (about 0.5 in the middle), too unsteady to price
 a run with."""
-PARTS = ("step", "forward", "backward", "optimizer", "comm_exposed", "comm_hidden")
+PARTS = ("step", "forward", "backward", "optimizer", "comm_exposed", "comm_hidden", "blocked")
+
+
+def _seconds(times: dict, key: str) -> float:
+    """A part of a step's time; ``blocked``: comm_exposed + waiting_for_ranks (the model takes the ranks as equal,
+    so what it predicts exposed is all the time compute is blocked)."""
+    return times["comm_exposed"] + times["waiting_for_ranks"] if key == "blocked" else times[key]
 
 
 def run_rank(stage: int, group: int | None, steps: int, out: str) -> dict:
@@ -78,7 +84,7 @@ def run_rank(stage: int, group: int | None, steps: int, out: str) -> dict:
 
 def ratios(report: dict) -> dict[str, float]:
     measured, predicted = report["time_measured"], report["time_predicted"]
-    out = {k: measured[k] / predicted[k] for k in PARTS if predicted.get(k)}
+    out = {k: _seconds(measured, k) / _seconds(predicted, k) for k in PARTS if _seconds(predicted, k)}
     for kind, times in report["time_by_collective"].items():
         kinds = predicted.get("by_collective", {}).get(kind, {})
         if kinds.get("to_wait"):  # gloo's wire: a call's completion is seen at its wait (measured/step_time.py)
@@ -129,8 +135,8 @@ def report(samples: dict[str, list[dict]], args: argparse.Namespace) -> str:
         for key in keys:
             rs = [ratios(r)[key] for r in runs if key in ratios(r)]
             if key in PARTS:
-                m = _ms([r["time_measured"][key] for r in runs])
-                pr = _ms([r["time_predicted"][key] for r in runs])
+                m = _ms([_seconds(r["time_measured"], key) for r in runs])
+                pr = _ms([_seconds(r["time_predicted"], key) for r in runs])
             else:
                 m = pr = "-"
             lines.append(f"| {name} | {key} | {m} | {pr} | {statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f}) |")

@@ -91,6 +91,42 @@ def test_a_call_in_flight_is_hidden_until_its_wait_and_exposed_after_it_as_the_c
     assert line.to_wait["all_gather"] == pytest.approx(1.2 + 1.5)  # a's end seen at its wait (1.2), b's at 1.5
 
 
+def test_a_link_that_keeps_a_share_of_its_speed_while_compute_runs_finishes_the_rest_while_waited_for() -> None:
+    """``Timeline(share)``: at 0 a call moves only while its rank waits (a CPU whose cores all compute), at 0.5 half
+    of it moves behind compute; what is left is exposed, queued calls included."""
+    for share, exposed in ((0.0, 1.5), (0.5, 0.9)):
+        line = Timeline(share)
+        line.launch(("gather", "a"), "all_gather", "intra", 1.0)
+        line.launch(("gather", "b"), "all_gather", "intra", 0.5)
+        line.launch(("across", "a"), "all_reduce", "inter", 0.2)  # another link: it works while the others wait
+        line.compute(1.2)  # share 0.5: 0.6 s of a done
+        line.wait(("gather", "b"))  # a's rest and then b, at full speed
+        line.wait(("gather", "a"))  # ended before b: nothing more exposed
+        line.wait(("across", "a"))  # went through during the wait on b
+        assert line.exposed["all_gather"] == pytest.approx(exposed), share
+        assert line.now == pytest.approx(1.2 + exposed) and "all_reduce" not in line.exposed, share
+        assert line.to_wait["all_gather"] == pytest.approx(2 * (1.2 + exposed)), share  # both seen at b's end
+    line = Timeline(0.0)
+    line.launch(("reduce", "a"), "reduce_scatter", "intra", 0.4)
+    line.compute(1.0)
+    line.wait(("reduce", "a"))
+    assert line.hidden["reduce_scatter"] == pytest.approx(1.0) and line.in_flight["reduce_scatter"] == pytest.approx(
+        1.4
+    )
+
+
+def test_the_links_share_is_what_the_ranks_compute_threads_leave_of_the_cores(monkeypatch) -> None:
+    from lightning_shardlab.budget.predicted import compute_rate
+
+    monkeypatch.setattr(compute_rate.torch, "get_num_threads", lambda: 1)
+    assert compute_rate.link_share("cuda", 8) == 1.0
+    for cores, ranks, share in ((16, 2, 1.0), (2, 2, 0.0), (3, 2, 0.5), (2, 4, 0.0)):
+        monkeypatch.setattr(
+            compute_rate.os, "sched_getaffinity", lambda _, cores=cores: set(range(cores)), raising=False
+        )
+        assert compute_rate.link_share("cpu", ranks) == share, (cores, ranks)
+
+
 @pytest.mark.parametrize(
     "options",
     [

@@ -37,7 +37,7 @@ from lightning_shardlab.budget.measured.step_peak import StepPeak
 from lightning_shardlab.budget.measured.step_time import TimeMeter, align_timelines
 from lightning_shardlab.budget.measured.tiers import tier_counters
 from lightning_shardlab.budget.predicted.activation_prediction import meta_clone, predict_for_batch
-from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, sharing_cores
+from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, link_share, sharing_cores
 from lightning_shardlab.budget.predicted.compute_trace import unit_flops_for_batch
 from lightning_shardlab.budget.predicted.optimizer_peak import optimizer_step_bytes
 from lightning_shardlab.budget.predicted.run_time import run_rate, time_predicted_for_run
@@ -357,6 +357,7 @@ class ShardLabBudget(L.Callback):
         return time_predicted_for_run(
             run.sharded, self.predicted_work, run.micro_batches, run.precision,
             link=link, inter=inter or link, optimizers=run.optimizers, ranks_here=hosts.count(here), rate=rate,
+            link_share=link_share(run.sharded.comm.device.type, hosts.count(here)),
         )  # fmt: skip
 
     def _rate_in_turns(self, run: Run, hosts: list[str]) -> ComputeRate | None:

@@ -166,3 +166,15 @@ def sharing_cores(rate: ComputeRate, ranks_here: int) -> ComputeRate:
         rate, name=name, flops_per_second=rate.flops_per_second * share,
         bytes_per_second=rate.bytes_per_second * share, seconds_per_op=rate.seconds_per_op / share,
     )  # fmt: skip
+
+
+def link_share(device: str, ranks_here: int) -> float:
+    """The share of its speed a link keeps while the ``ranks_here`` ranks on this machine compute: 1 on a GPU (its
+    collectives run beside the kernels); on a CPU, the cores the ranks' compute threads leave over for their
+    collectives' threads, one per rank at full speed: (cores - ranks x threads) / ranks, within [0, 1]. At 0 a
+    collective launched behind compute moves only while its rank waits (benchmarks/TIME_PREDICTION.md: on 2 cores
+    with 2 ranks, what stage 3's exposed communication measured)."""
+    if device != "cpu":
+        return 1.0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(1.0, max(0.0, (cores - ranks_here * torch.get_num_threads()) / ranks_here))

@@ -88,13 +88,15 @@ def time_predicted_for_run(
     optimizers: list[Optimizer] | None = None,
     data_seconds: float = 0.0,
     ranks_here: int = 1,
+    link_share: float = 1.0,
 ) -> dict[str, Any]:
     """This rank's seconds per optimizer step predicted (``predict_step_time``), for a run: its units in the order
     they ran, its layouts, mesh and options; ``unit_flops`` its first batch's work (compute_trace.py's
     ``unit_flops_for_batch``, or forward FLOPs per unit); ``link`` (default: ``default_link``; ``inter`` across
     shard groups, default ``link``) and ``rate`` (default: measured on the run's device, cached, and shared by the
-    ``ranks_here`` ranks on this machine: ``sharing_cores``). ``{"error": why}``
-    when there is nothing to predict from. Adds no collective: call it on any rank, at any time."""
+    ``ranks_here`` ranks on this machine: ``sharing_cores``); ``link_share`` the share of their speed the links keep
+    while compute runs (compute_rate.py's ``link_share``). ``{"error": why}`` when there is nothing to predict from.
+    Adds no collective: call it on any rank, at any time."""
     compute = ComputeTrace.of_flops(unit_flops) if isinstance(unit_flops, dict) else unit_flops
     if compute is None or compute.error:
         why = compute.error if compute is not None else "the first batch was not traced"
@@ -114,7 +116,7 @@ def time_predicted_for_run(
     work, name = run_optimizer_work(sharded, optimizers, layouts)
     out = predict_step_time(
         units, compute, rate, sharded.config, sharded.policy, links,
-        micro_batches=micro_batches, optimizer=work, data_seconds=data_seconds,
+        micro_batches=micro_batches, optimizer=work, data_seconds=data_seconds, link_share=link_share,
     )  # fmt: skip
-    out["basis"] = basis(rate, links, micro_batches, precision, name)
+    out["basis"] = {**basis(rate, links, micro_batches, precision, name), "link_share": link_share}
     return out

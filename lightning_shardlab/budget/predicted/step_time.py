@@ -3,7 +3,9 @@
 The step is played on two clocks, as the engine runs it (sharding/sharded_model.py): one compute stream, and each
 link a first-in-first-out queue of collectives (a process group runs its collectives in order: NCCL on one stream,
 gloo on its queue). A collective launched at time t starts when its link is free, and a wait blocks compute until
-it ends; what the waits block is ``comm_exposed``, by the kind of collective waited for. Then, seconds per step:
+it ends; what the waits block is ``comm_exposed``, by the kind of collective waited for. A link works at full speed
+while compute waits and at ``link_share`` of it while compute runs: 1 where collectives have hardware of their own
+(a GPU), less on a CPU whose cores the ranks' compute threads take (compute_rate.py's ``link_share``). Then:
 
     step        = forward + backward + optimizer + data + comm_exposed + waiting_for_ranks
     comm_hidden = each collective's seconds in flight before its wait, summed   (in flight while computing)
@@ -88,39 +90,70 @@ class UnitTimes:
 
 
 class Timeline:
-    """One compute stream and first-in-first-out links: each wait advances the clock to the collective's end."""
+    """One compute stream and first-in-first-out links: each wait advances the clock to the collective's end.
 
-    def __init__(self) -> None:
+    A link works at full speed while compute waits, and at ``share`` of it while compute runs (1: links of their own,
+    as a GPU's; 0: a CPU whose cores all compute, where a collective moves only while its rank is blocked)."""
+
+    def __init__(self, share: float = 1.0) -> None:
         self.now = 0.0  # seconds
-        self.free: dict[str, float] = {}  # link -> when it is next free
-        self.pending: dict[tuple[str, str], tuple[float, str, float]] = {}  # (what, unit) -> (end, kind, launched)
+        self.share = share
+        self.queues: dict[str, list[list]] = {}  # link -> [key, seconds of work left at full speed], in order
+        self.pending: dict[tuple[str, str], tuple[str, float]] = {}  # (what, unit) -> (kind, launched)
+        self.ended: dict[tuple[str, str], float] = {}  # calls done, not yet waited for -> when they ended
         self.wire: dict[str, float] = {}  # kind -> seconds on the wire
         self.exposed: dict[str, float] = {}  # kind -> seconds compute waited for it
         self.hidden: dict[str, float] = {}  # kind -> seconds each call flew before its wait (queued behind others too)
         self.to_wait: dict[str, float] = {}  # kind -> seconds from each launch to the end of its wait
         self.in_flight: dict[str, float] = {}  # kind -> seconds from each launch to its end (queued behind others too)
 
+    def _advance(self, seconds: float, speed: float) -> None:
+        """The links work for the next ``seconds`` at ``speed`` x their own; calls that finish are noted."""
+        if speed <= 0:
+            return
+        for queue in self.queues.values():
+            at, work = self.now, seconds * speed
+            while queue and work > 0:
+                call = queue[0]
+                done = min(call[1], work)
+                call[1], work, at = call[1] - done, work - done, at + done / speed
+                if call[1] <= 1e-12:
+                    self.ended[queue.pop(0)[0]] = at
+
     def compute(self, seconds: float) -> None:
+        self._advance(seconds, self.share)
         self.now += seconds
 
     def launch(self, key: tuple[str, str], kind: str, link: str, seconds: float) -> None:
         if seconds <= 0 or key in self.pending:
             return
-        start = max(self.now, self.free.get(link, 0.0))
-        self.free[link] = start + seconds
-        self.pending[key] = (start + seconds, kind, self.now)
+        self.queues.setdefault(link, []).append([key, seconds])
+        self.pending[key] = (kind, self.now)
         self.wire[kind] = self.wire.get(kind, 0.0) + seconds
-        self.in_flight[kind] = self.in_flight.get(kind, 0.0) + start + seconds - self.now
 
     def wait(self, key: tuple[str, str]) -> None:
         if key not in self.pending:
             return
-        end, kind, launched = self.pending.pop(key)
-        self.hidden[kind] = self.hidden.get(kind, 0.0) + min(end, self.now) - launched
-        self.to_wait[kind] = self.to_wait.get(kind, 0.0) + max(end, self.now) - launched
-        if end > self.now:
-            self.exposed[kind] = self.exposed.get(kind, 0.0) + end - self.now
-            self.now = end
+        kind, launched = self.pending.pop(key)
+        waited = self.now
+        if key not in self.ended:  # blocked: every link at full speed until this call is through
+            queue = next(q for q in self.queues.values() if any(call[0] == key for call in q))
+            ahead = 0.0
+            for call in queue:
+                ahead += call[1]
+                if call[0] == key:
+                    break
+            self._advance(ahead, 1.0)
+            self.now += ahead
+            if key not in self.ended:  # rounding left a sliver of it
+                queue.remove(next(call for call in queue if call[0] == key))
+                self.ended[key] = self.now
+        end = self.ended.pop(key)
+        self.in_flight[kind] = self.in_flight.get(kind, 0.0) + end - launched
+        self.hidden[kind] = self.hidden.get(kind, 0.0) + min(end, waited) - launched
+        self.to_wait[kind] = self.to_wait.get(kind, 0.0) + max(end, waited) - launched
+        if end > waited:
+            self.exposed[kind] = self.exposed.get(kind, 0.0) + end - waited
 
 
 @dataclass(frozen=True)
@@ -217,10 +250,12 @@ def play(
     micro_batches: int = 1,
     optimizer: float = 0.0,
     data: float = 0.0,
+    link_share: float = 1.0,
 ) -> Timeline:
     """One optimizer step on the engine's schedule: data, each micro-batch's forward and backward, the optimizer,
-    and at stages 1-2 the refresh of every resident unit (launched together, waited for)."""
-    line = Timeline()
+    and at stages 1-2 the refresh of every resident unit (launched together, waited for); the links at
+    ``link_share`` of their speed while compute runs (``Timeline``)."""
+    line = Timeline(link_share)
     line.compute(data)
     for i in range(micro_batches):
         _forward(line, root, units, plan)
@@ -299,9 +334,11 @@ def predict_step_time(
     optimizer: Work | None = None,
     data_seconds: float = 0.0,
     prefetch: int = 1,
+    link_share: float = 1.0,
 ) -> dict[str, Any]:
     """Seconds per optimizer step (the module's docstring): ``units`` the layouts of a shard group, the root first
-    then in forward order; ``compute`` one micro-batch's work by unit; ``optimizer`` one step's work."""
+    then in forward order; ``compute`` one micro-batch's work by unit; ``optimizer`` one step's work; ``link_share``
+    the share of their speed the links keep while compute runs (compute_rate.py's ``link_share``)."""
     works, optimizer = _works(units, compute), optimizer or Work()
     times = [
         unit_times(name, lays, _compute_seconds(works[name], rate, name == ROOT), policy, config.stage, links)
@@ -309,7 +346,7 @@ def predict_step_time(
     ]
     root, others = times[0], times[1:]
     plan = Schedule(config.stage, config.reshard_after_forward, config.accumulation is Accumulation.DEFER, prefetch)
-    line = play(root, others, plan, micro_batches, rate.seconds(optimizer), data_seconds)
+    line = play(root, others, plan, micro_batches, rate.seconds(optimizer), data_seconds, link_share)
     return _result(times, line, micro_batches, rate.seconds(optimizer), data_seconds)
 
 
