@@ -44,13 +44,15 @@ takes microseconds, until ``wait()``). So the measured side counts each call fro
 and the rows "launch to wait" hold it against the same span predicted (``to_wait``), not against the predicted time
 in flight; ``comm_hidden`` (to the wait, or the end if seen sooner) is likewise an upper bound here.
 
-What the model does not price: the part of a collective that compute waits for (``comm_exposed``, the rows
-"exposed"). On a 2-core machine gloo's threads that carry a collective share the two cores with the two ranks
-computing, so a collective launched behind compute progresses only between kernels and arrives late; the model
-prices the link as it runs idle. Tried and left out: giving a link a share of its speed while its rank computes,
-measured by launching a 4-32 MiB all-gather behind 384 x 384 matrix products on every rank. The share came out
-anywhere from 0.01 to 0.71 from one run to the next on this machine (about 0.5 in the middle), too unsteady to price
-a run with."""
+Contention between compute and communication. On a 2-core machine gloo's threads that carry a collective share the
+two cores with the two ranks computing, so a collective launched behind compute moves little until its rank waits.
+The model gives each link a share of its speed while its rank computes (compute_rate.py's ``link_share``: what the
+ranks' compute threads leave of the cores, one per rank: 0 here, 1 on a GPU or a CPU with cores to spare) and full
+speed while compute waits. (Until 2026-12-05 it priced the link as it runs idle: stage 3's exposed all-gathers
+measured 4.0x the prediction, its ``comm_hidden`` 17x. A share measured by a probe, an all-gather launched behind
+matrix products, was tried before and left out: it read 0.01 to 0.71 from run to run.) The row ``blocked`` is
+``comm_exposed`` + ``waiting_for_ranks``: the model takes the ranks as equal, so what it predicts exposed is all the
+time compute is blocked, and the measured side splits that time by who was late."""
 PARTS = ("step", "forward", "backward", "optimizer", "comm_exposed", "comm_hidden", "blocked")
 
 
