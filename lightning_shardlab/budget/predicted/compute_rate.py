@@ -151,13 +151,18 @@ def measure_rate(
     return ComputeRate(name, rate, bandwidth, per_op, dev.type, time.perf_counter() - began)
 
 
+def _cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def sharing_cores(rate: ComputeRate, ranks_here: int) -> ComputeRate:
     """``rate`` as each of ``ranks_here`` ranks on this CPU gets it when their threads outnumber its cores: the
     OS time-slices them, so each rank sustains cores / (ranks x threads) of what one probe alone measured (the
     probes run in one process at a time). A GPU, or a CPU with a core for every thread, is left as it is."""
     if rate.device != "cpu":
         return rate
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = _cores()
     share = min(1.0, cores / (ranks_here * torch.get_num_threads()))
     if share == 1.0:
         return rate
@@ -176,5 +181,5 @@ def link_share(device: str, ranks_here: int) -> float:
     with 2 ranks, what stage 3's exposed communication measured)."""
     if device != "cpu":
         return 1.0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = _cores()
     return min(1.0, max(0.0, (cores - ranks_here * torch.get_num_threads()) / ranks_here))
