@@ -123,14 +123,17 @@ def counting_newton_schulz() -> Iterator[list[int]]:
         yield calls
 
 
-def _fit(scenario: Scenario, model: ParityModule, strategy: object, world_size: int) -> L.Trainer:
+def _fit(
+    scenario: Scenario, model: ParityModule, strategy: object, world_size: int, accelerator: str, per_device: int
+) -> L.Trainer:
+    """One fit on ``world_size`` ranks, ``per_device`` of them sharing each device."""
     steps = 12 * scenario.trainer.get("accumulate_grad_batches", 1)
     epochs = scenario.trainer.get("max_epochs", 1)
     data = scenario.data(max(steps, 2 * epochs) * scenario.local_batch * world_size // epochs)
     kwargs = {"max_steps": 6, "max_epochs": 1, **scenario.trainer}
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
+        accelerator=accelerator,
+        devices=world_size // per_device,
         strategy=strategy,
         logger=False,
         enable_checkpointing=False,
@@ -142,11 +145,16 @@ def _fit(scenario: Scenario, model: ParityModule, strategy: object, world_size: 
     )
     model.clip_norm_type = scenario.clip_norm_type
     trainer.fit(model, OrderedData(data, scenario.local_batch))
+    assert trainer.world_size == world_size, (type(strategy).__name__, trainer.world_size)
     return trainer
 
 
-def ddp_parity(world_size: int, stages: list[int], names: list[str]) -> dict:
-    report = {}
+def ddp_parity(
+    world_size: int, stages: list[int], names: list[str], accelerator: str = "cpu", ranks_per_device: int = 1
+) -> dict:
+    """Each scenario under the DDP reference and shardlab at ``stages``. ``ranks_per_device`` > 1: the ranks share
+    the device, under both strategies (on a GPU: the proxy, over gloo)."""
+    report, per_device = {}, ranks_per_device
     for name in names:
         scenario = SCENARIOS[name]
         torch.manual_seed(0)
@@ -156,13 +164,15 @@ def ddp_parity(world_size: int, stages: list[int], names: list[str]) -> dict:
             group = layout.get("shard_group_size")
             if group not in references:
                 references[group] = copy.deepcopy(initial)
-                ddp = RankOrderDDP(group) if scenario.whole_tensor else scenario.ddp
-                _fit(scenario, references[group], ddp, world_size)
+                shared = scenario.whole_tensor or per_device > 1
+                ddp = RankOrderDDP(group, per_device) if shared else scenario.ddp
+                _fit(scenario, references[group], ddp, world_size, accelerator, per_device)
             reference = references[group]
-            ref_state = reference.state_dict()
+            ref_state = {k: v.cpu() for k, v in reference.state_dict().items()}
             model = copy.deepcopy(initial)
             with counting_newton_schulz() as newton_schulz:
-                trainer = _fit(scenario, model, ShardLabStrategy(**layout, **scenario.strategy), world_size)
+                strategy = ShardLabStrategy(**layout, **scenario.strategy, ranks_per_device=per_device)
+                trainer = _fit(scenario, model, strategy, world_size, accelerator, per_device)
             where = f"{name}, {label}, rank {trainer.global_rank}"
             assert len(model.losses) == len(reference.losses) >= 6, where
             assert_close(
@@ -175,7 +185,7 @@ def ddp_parity(world_size: int, stages: list[int], names: list[str]) -> dict:
                 msg=lambda m: f"grad norms: {where}\n{m}",
             )
             _check_frozen(trainer, where)
-            state = trainer.strategy.full_state_dict()
+            state = {k: v.cpu() for k, v in trainer.strategy.full_state_dict().items()}
             if trainer.global_rank == 0:
                 assert list(state) == list(ref_state), where
                 for key, value in ref_state.items():
@@ -183,7 +193,7 @@ def ddp_parity(world_size: int, stages: list[int], names: list[str]) -> dict:
                     assert torch.equal(state[key], value) or not scenario.whole_tensor, f"{key}: {where}"
                 frozen = [n for n, p in initial.named_parameters() if not p.requires_grad]
                 for key in frozen:  # bit for bit unchanged
-                    assert torch.equal(state[key], initial.state_dict()[key]), f"{key}: {where}"
+                    assert torch.equal(state[key], initial.state_dict()[key].cpu()), f"{key}: {where}"
             report[(name, label)] = (len(model.losses), len(newton_schulz))
     return report
 

@@ -1,5 +1,6 @@
 """The CUDA paths: NCCL with one rank per GPU, and alone on one GPU with real collectives; ranks sharing one GPU
-through gloo; offload='cpu'; the device's clock; a steady step that makes no synchronising CUDA call.
+through gloo (against the unsharded reference, and against Lightning's DDP sharing it too: whole-tensor optimizers,
+fp16's loss scale); offload='cpu'; the device's clock; a steady step that makes no synchronising CUDA call.
 
 Marked ``gpu``: skipped, with that reason, on machines without CUDA (see conftest.py).
 """
@@ -61,6 +62,30 @@ def test_bf16_mixed_on_two_ranks_sharing_one_gpu_matches_the_same_recipe() -> No
     1-3 in one launch."""
     kwargs = {"target": "tests.test_mixed_precision:trainer_bf16_mixed", "world_size": 2, "accelerator": "cuda"}
     run_ranks("tests.test_gpu:every_stage", 2, kwargs, timeout=600)
+
+
+def test_muon_and_adafactor_on_two_ranks_sharing_one_gpu_match_ddp_sharing_it() -> None:
+    """Whole-tensor optimizers (Muon with AdamW, Adafactor) at stages 1-3 against Lightning's DDP, both with two
+    ranks on the GPU (DDP's over gloo with CUDA tensors, its gradients averaged in shardlab's order): losses and
+    gradient norms to fp32 tolerance, weights bit for bit, each matrix orthogonalised once per batch in the world."""
+    kwargs = {"world_size": 2, "stages": [1, 2, 3], "names": ["muon_adamw_manual", "adafactor"]}
+    reports = run_ranks(
+        "tests.test_ddp_parity:ddp_parity", 2, {**kwargs, "accelerator": "cuda", "ranks_per_device": 2}, timeout=600
+    )
+    for stage in (1, 2, 3):
+        counts = [report[("muon_adamw_manual", f"stage {stage}")][1] for report in reports]
+        assert sum(counts) == 12 * 6 and all(counts), (stage, counts)
+
+
+def test_fp16_on_two_ranks_sharing_one_gpu_skips_and_scales_as_ddp_sharing_it(tmp_path: Path) -> None:
+    """16-mixed with CUDA's GradScaler at stages 1-3 against Lightning's DDP, both with two ranks on the GPU: an
+    overflow on one rank skips the step on both and halves the scale as DDP's does; the weights near DDP's."""
+    from tests.test_mixed_precision import check_fp16_against_ddp
+
+    kwargs = {"stages": [1, 2, 3], "tmp": str(tmp_path), "accelerator": "cuda", "ranks_per_device": 2}
+    check_fp16_against_ddp(
+        run_ranks("tests.test_mixed_precision:fp16_overflow_skips_on_every_rank", 2, kwargs, timeout=300)
+    )
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL with one rank per GPU needs 2 GPUs")

@@ -81,11 +81,21 @@ rank_order_mean.__annotations__.update({"bucket": dist.GradBucket, "return": tor
 class RankOrderDDP(DDPStrategy):
     """Lightning's DDP, its gradients averaged in shardlab's order of summation (``rank_order_mean``). The
     reference for updates that round to bfloat16 (torch's Muon): with DDP's own all-reduce the mean over more
-    than two ranks can differ in its last fp32 bit, which one bfloat16 rounding can turn into a whole step."""
+    than two ranks can differ in its last fp32 bit, which one bfloat16 rounding can turn into a whole step.
 
-    def __init__(self, shard_group_size: int | None = None) -> None:
-        super().__init__()
+    ``ranks_per_device`` > 1: that many ranks share each device, as shardlab's proxy runs them (NCCL refuses two
+    ranks on one GPU, so they talk over gloo, which DDP drives with CUDA tensors too): the reference for ranks that
+    share the one GPU a machine has."""
+
+    def __init__(self, shard_group_size: int | None = None, ranks_per_device: int = 1) -> None:
+        self.ranks_per_device = ranks_per_device
+        super().__init__(process_group_backend="gloo" if ranks_per_device > 1 else None)
         self.shard_group_size = shard_group_size
+
+    @DDPStrategy.parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        k = self.ranks_per_device
+        self._parallel_devices = None if devices is None else [d for d in devices for _ in range(k)]
 
     def _register_ddp_hooks(self) -> None:  # Lightning registers hooks on CUDA only
         self.model.register_comm_hook(self.shard_group_size, rank_order_mean)
