@@ -12,7 +12,8 @@
 3. ``offload='cpu'``: the same GPT-2 shapes in ``bf16-mixed`` with masters and AdamW state in host memory,
    against no offload, interleaved: seconds per step and the device's peak allocated memory.
 4. The ``gpu``-marked tests (tests/test_gpu.py): one rank, two ranks and a 2x2 hybrid layout of four sharing the GPU
-   against the unsharded reference, cpu offload, the device's clock in the time side, no synchronising CUDA call in
+   against the unsharded reference, Muon/Adafactor and fp16's loss scale against Lightning's DDP sharing the GPU too,
+   cpu offload, the device's clock in the time side, no synchronising CUDA call in
    a steady step (``torch.cuda.set_sync_debug_mode``), NCCL alone on the GPU issuing real collectives.
 """
 
