@@ -11,7 +11,11 @@
    H200's 989); target >= 30%.
 3. ``offload='cpu'``: the same GPT-2 shapes in ``bf16-mixed`` with masters and AdamW state in host memory,
    against no offload, interleaved: seconds per step and the device's peak allocated memory.
-4. The ``gpu``-marked tests (tests/test_gpu.py): one rank, two ranks and a 2x2 hybrid layout of four sharing the GPU
+4. Overlap, with 2 GPUs or more: stages 1-3 on 2 ranks with a GPU each (NCCL), 3 steps under torch.profiler; per
+   collective kind, the fraction of NCCL's kernel time under compute kernels, read from the trace
+   (``lightning_shardlab/budget/measured/kernel_overlap.py``). One GPU has no NCCL kernel to overlap (ranks sharing
+   it talk over gloo through host memory; a world of one issues no collectives): the row says so.
+5. The ``gpu``-marked tests (tests/test_gpu.py): one rank, two ranks and a 2x2 hybrid layout of four sharing the GPU
    against the unsharded reference, Muon/Adafactor and fp16's loss scale against Lightning's DDP sharing the GPU too,
    cpu offload, the device's clock in the time side, no synchronising CUDA call in
    a steady step (``torch.cuda.set_sync_debug_mode``), NCCL alone on the GPU issuing real collectives.
@@ -42,16 +46,27 @@ def flops_per_token(n_params: int, size: dict) -> int:
     return 6 * n_params + 12 * size["n_layer"] * size["block_size"] * size["n_embd"]
 
 
+def gpt_and_batches(size: dict, batches: int) -> tuple:
+    """The example GPT at ``size`` (seeded) and a loader of ``batches`` random batches."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_shardlab.examples.gpt import GPT
+
+    torch.manual_seed(0)
+    keys = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+    model = GPT(**{k: size[k] for k in keys}, lr=1e-4, warmup_steps=0)
+    tokens = torch.randint(0, size["vocab_size"], (batches * size["batch"], size["block_size"] + 1))
+    return model, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=size["batch"])
+
+
 def timed_fit(
     strategy: str, size: dict, device: str, precision: str, warmup: int, steps: int, offload: str = "none"
 ) -> dict:
     """Seconds per step of one fit of the example GPT on one device, after ``warmup`` steps, and the device's
     peak allocated bytes."""
     import lightning as L
-    from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_shardlab import ShardLabStrategy
-    from lightning_shardlab.examples.gpt import GPT
 
     times: list[float] = []
 
@@ -66,11 +81,7 @@ def timed_fit(
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t)
 
-    torch.manual_seed(0)
-    keys = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
-    model = GPT(**{k: size[k] for k in keys}, lr=1e-4, warmup_steps=0)
-    tokens = torch.randint(0, size["vocab_size"], ((warmup + steps) * size["batch"], size["block_size"] + 1))
-    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=size["batch"])
+    model, loader = gpt_and_batches(size, warmup + steps)
     trainer = timing_trainer(
         accelerator=device,
         devices=1,
@@ -119,6 +130,64 @@ def mfu(size: dict, device: str, warmup: int, steps: int, peak_tflops: float) ->
     }
 
 
+def profiled_overlap(size: dict, device: str, world: int, stage: int, warmup: int, steps: int, out: str) -> dict:
+    """One rank of ``world``, a device each (NCCL on GPUs): the example GPT at ``stage``, ``steps`` steps after
+    ``warmup`` under torch.profiler; each collective kind's kernel time under compute kernels, from its trace
+    (budget/measured/kernel_overlap.py; a CPU run's trace has no kernels)."""
+    import lightning as L
+
+    from lightning_shardlab import ShardLabStrategy
+    from lightning_shardlab.budget.measured.kernel_overlap import overlap_in_trace
+
+    rank = int(__import__("os").environ["RANK"])
+    trace = Path(out) / f"overlap_stage{stage}_rank{rank}.trace.json"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] * (device == "cuda"))
+
+    class Profile(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            if batch_idx == warmup:
+                self.profiler = torch.profiler.profile(activities=activities)
+                self.profiler.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            if batch_idx == warmup + steps - 1:
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                self.profiler.__exit__(None, None, None)
+                self.profiler.export_chrome_trace(str(trace))
+
+    model, loader = gpt_and_batches(size, world * (warmup + steps))  # each rank its own (the distributed sampler)
+    precision = "bf16-mixed" if device == "cuda" else "32-true"
+    trainer = timing_trainer(
+        accelerator=device, devices=world, precision=precision, max_steps=warmup + steps,
+        strategy=ShardLabStrategy(stage=stage), callbacks=[Profile()],
+    )  # fmt: skip
+    trainer.fit(model, loader)
+    return overlap_in_trace(trace)
+
+
+def overlap(size: dict, device: str, warmup: int, steps: int) -> dict:
+    """Stages 1-3 on 2 ranks with a GPU each: per stage and kind, the fraction of NCCL's kernel time under compute
+    (the mean over ranks). Needs 2 GPUs: ranks sharing one GPU talk over gloo through host memory, and a world of
+    one issues no collectives, so one GPU has no NCCL kernel to overlap."""
+    import tempfile
+
+    from benchmarks.ranks import run_ranks
+
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        return {"skipped": f"needs 2 GPUs, found {torch.cuda.device_count()}"}
+    by_stage, out = {}, tempfile.mkdtemp(prefix="shardlab-overlap-")  # the traces: tens of MB on a GPU
+    for stage in (1, 2, 3):
+        kwargs = {"size": size, "device": device, "world": 2, "stage": stage, "warmup": warmup, "steps": steps}
+        ranks = run_ranks(profiled_overlap, 2, {**kwargs, "out": out})
+        kinds = sorted({kind for r in ranks for kind in r})
+        by_stage[stage] = {
+            k: {x: statistics.mean(r[k][x] for r in ranks if k in r) for x in ("seconds", "hidden", "fraction")}
+            for k in kinds
+        }
+    return by_stage
+
+
 def gpu_tests() -> dict:
     started = time.perf_counter()
     proc = subprocess.run(
@@ -131,6 +200,17 @@ def gpu_tests() -> dict:
         "seconds": time.perf_counter() - started,
         "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:],
     }
+
+
+def _overlap_cell(results: dict) -> str:
+    by_stage = results["overlap"]
+    if "skipped" in by_stage:
+        return f"not run: {by_stage['skipped']}"
+    parts = []
+    for stage, kinds in by_stage.items():
+        shown = ", ".join(f"{k} {100 * v['fraction']:.0f}% of {1e3 * v['seconds']:.1f} ms" for k, v in kinds.items())
+        parts.append(f"stage {stage}: {shown or 'no communication kernels'}")
+    return "; ".join(parts)
 
 
 def report(results: dict, out: Path) -> str:
@@ -156,6 +236,10 @@ def report(results: dict, out: Path) -> str:
         lines.append(
             f"| peak device memory, offload='cpu' vs none | lower | {c['device_peak']['cpu'] / 2**30:.2f} GiB vs"
             f" {c['device_peak']['none'] / 2**30:.2f} GiB |"
+        )
+    if "overlap" in results:
+        lines.append(
+            f"| NCCL kernel time under compute, 2 ranks with a GPU each | measured | {_overlap_cell(results)} |"
         )
     if "tests" in results:
         lines.append(f"| tests/test_gpu.py (2 ranks sharing the GPU, 1 rank) | pass | {results['tests']['summary']} |")
@@ -190,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         "overhead": overhead(size, args.device, precision, args.warmup, args.steps, args.repeats),
         "mfu": mfu(size, args.device, args.warmup, args.steps, args.peak_tflops),
     }
+    results["overlap"] = overlap(size, args.device, args.warmup, min(args.steps, 3))
     if args.device == "cuda":
         results["cpu_offload"] = cpu_offload(size, args.warmup, args.steps, args.repeats)
         results["tests"] = gpu_tests()

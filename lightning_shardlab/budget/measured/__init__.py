@@ -8,4 +8,5 @@ local_link.py    ``--interconnect local``: this machine's link, timed by comm/li
 step_time.py     where each rank's time goes per step (forward, backward, optimizer, data, communication exposed,
                  waiting for other ranks, hidden), by unit: the step clock (comm/step_clock.py), exchanged
 stragglers.py    a rank persistently slower than the others, named with where the others wait for it
+kernel_overlap.py  on a GPU: each collective kind's kernel time under compute kernels, from a profiler trace
 """
