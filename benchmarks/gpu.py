@@ -3,22 +3,26 @@
     python -m benchmarks.gpu --out DIR           # writes DIR/gpu.json and DIR/GPU.md
     python -m benchmarks.gpu --device cpu --size tiny --steps 3 --warmup 1   # the same code, a dry run on CPU
 
-1. World size 1 overhead: steps per second of the example GPT under plain Lightning (``strategy="auto"``)
-   and under ``ShardLabStrategy`` on one device, interleaved; target >= 0.98x.
-2. Model FLOPs utilisation: GPT-2 small shapes (124M parameters, 1024 tokens) with ``bf16-mixed`` under
+The parts, in the order they run (``--only PART`` runs one, repeatable); GPU.md and gpu.json are written after each,
+so a run cut short keeps what it measured:
+
+1. ``tests``: the ``gpu``-marked tests (tests/test_gpu.py), first: one rank, two ranks and a 2x2 hybrid layout of four
+   sharing the GPU against the unsharded reference, Muon/Adafactor and fp16's loss scale against Lightning's DDP
+   sharing the GPU too, cpu offload, the device's clock in the time side, no synchronising CUDA call in a steady step
+   (``torch.cuda.set_sync_debug_mode``), NCCL alone on the GPU issuing real collectives; cut off after
+   ``--tests-timeout`` seconds.
+2. ``overhead``: world size 1, steps per second of the example GPT under plain Lightning (``strategy="auto"``) and
+   under ``ShardLabStrategy`` on one device, interleaved; target >= 0.98x.
+3. ``mfu``: model FLOPs utilisation, GPT-2 small shapes (124M parameters, 1024 tokens) with ``bf16-mixed`` under
    shardlab on one GPU; MFU = 6 N + 12 L T d flops per token (nanoGPT's estimate, N without the position
    embedding) times tokens per second, over the device's dense bf16 peak (``--peak-tflops``, default the
    H200's 989); target >= 30%.
-3. ``offload='cpu'``: the same GPT-2 shapes in ``bf16-mixed`` with masters and AdamW state in host memory,
-   against no offload, interleaved: seconds per step and the device's peak allocated memory.
-4. Overlap, with 2 GPUs or more: stages 1-3 on 2 ranks with a GPU each (NCCL), 3 steps under torch.profiler; per
+4. ``overlap``, with 2 GPUs or more: stages 1-3 on 2 ranks with a GPU each (NCCL), 3 steps under torch.profiler; per
    collective kind, the fraction of NCCL's kernel time under compute kernels, read from the trace
    (``lightning_shardlab/budget/measured/kernel_overlap.py``). One GPU has no NCCL kernel to overlap (ranks sharing
    it talk over gloo through host memory; a world of one issues no collectives): the row says so.
-5. The ``gpu``-marked tests (tests/test_gpu.py): one rank, two ranks and a 2x2 hybrid layout of four sharing the GPU
-   against the unsharded reference, Muon/Adafactor and fp16's loss scale against Lightning's DDP sharing the GPU too,
-   cpu offload, the device's clock in the time side, no synchronising CUDA call in
-   a steady step (``torch.cuda.set_sync_debug_mode``), NCCL alone on the GPU issuing real collectives.
+5. ``cpu_offload``: the same GPT-2 shapes in ``bf16-mixed`` with masters and AdamW state in host memory, against no
+   offload, interleaved: seconds per step and the device's peak allocated memory.
 """
 
 from __future__ import annotations
@@ -188,18 +192,23 @@ def overlap(size: dict, device: str, warmup: int, steps: int) -> dict:
     return by_stage
 
 
-def gpu_tests() -> dict:
+PARTS = ("tests", "overhead", "mfu", "overlap", "cpu_offload")
+
+
+def gpu_tests(timeout: float) -> dict:
+    """tests/test_gpu.py in a pytest of its own, cut off after ``timeout`` seconds; its summary, and the tail of
+    its output (the failures' short summary) in gpu.json."""
     started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
-        capture_output=True,
-        text=True,
-    )
-    return {
-        "returncode": proc.returncode,
-        "seconds": time.perf_counter() - started,
-        "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:],
-    }
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        code, output = proc.returncode, proc.stdout + proc.stderr
+        lines = proc.stdout.strip().splitlines()
+        summary = lines[-1] if lines else proc.stderr[-300:]
+    except subprocess.TimeoutExpired as cut:
+        code, output = None, (cut.stdout or b"").decode(errors="replace")
+        summary = f"cut off after {timeout:.0f} s"
+    return {"returncode": code, "seconds": time.perf_counter() - started, "summary": summary, "tail": output[-6000:]}
 
 
 def _overlap_cell(results: dict) -> str:
@@ -214,7 +223,8 @@ def _overlap_cell(results: dict) -> str:
 
 
 def report(results: dict, out: Path) -> str:
-    o, m = results["overhead"], results["mfu"]
+    """GPU.md and gpu.json in ``out``, from the parts run so far (written after each part: a run cut short keeps
+    what it measured)."""
     lines = [
         "# GPU checks",
         "",
@@ -222,15 +232,26 @@ def report(results: dict, out: Path) -> str:
         "",
         "| check | target | this run |",
         "| --- | --- | --- |",
-        f"| world size 1: shardlab / plain Lightning steps per second ({results['overhead_precision']}) | >= 0.98 "
-        f"| {o['ratio']:.3f} ({o['shardlab_steps_per_s']:.2f} vs {o['plain_steps_per_s']:.2f}) |",
-        f"| GPT-2 {m['params'] / 1e6:.0f}M bf16-mixed MFU (peak {results['peak_tflops']} TFLOP/s) | >= 30% "
-        f"| {100 * m['mfu']:.1f}% ({m['tflops']:.1f} TFLOP/s, {m['tokens_per_s']:.0f} tokens/s) |",
     ]
+    if "tests" in results:
+        t = results["tests"]
+        lines.append(f"| tests/test_gpu.py | pass | {t['summary']} ({t['seconds']:.0f} s) |")
+    if "overhead" in results:
+        o = results["overhead"]
+        lines.append(
+            f"| world size 1: shardlab / plain Lightning steps per second ({results['overhead_precision']}) | >= 0.98 "
+            f"| {o['ratio']:.3f} ({o['shardlab_steps_per_s']:.2f} vs {o['plain_steps_per_s']:.2f}) |"
+        )
+    if "mfu" in results:
+        m = results["mfu"]
+        lines.append(
+            f"| GPT-2 {m['params'] / 1e6:.0f}M bf16-mixed MFU (peak {results['peak_tflops']} TFLOP/s) | >= 30% "
+            f"| {100 * m['mfu']:.1f}% ({m['tflops']:.1f} TFLOP/s, {m['tokens_per_s']:.0f} tokens/s) |"
+        )
     if "cpu_offload" in results:
         c = results["cpu_offload"]
         lines.append(
-            f"| offload='cpu' / none, s/step (GPT-2 {m['params'] / 1e6:.0f}M bf16-mixed) | measured | {c['ratio']:.3f}"
+            f"| offload='cpu' / none, s/step (GPT-2 bf16-mixed) | measured | {c['ratio']:.3f}"
             f" ({c['seconds']['cpu']:.4f} vs {c['seconds']['none']:.4f} s) |"
         )
         lines.append(
@@ -241,8 +262,6 @@ def report(results: dict, out: Path) -> str:
         lines.append(
             f"| NCCL kernel time under compute, 2 ranks with a GPU each | measured | {_overlap_cell(results)} |"
         )
-    if "tests" in results:
-        lines.append(f"| tests/test_gpu.py (2 ranks sharing the GPU, 1 rank) | pass | {results['tests']['summary']} |")
     text = "\n".join(lines) + "\n"
     (out / "GPU.md").write_text(text)
     (out / "gpu.json").write_text(json.dumps(results, indent=1))
@@ -258,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    p.add_argument("--only", action="append", choices=PARTS, help="run this part only (repeatable)")
+    p.add_argument("--tests-timeout", type=float, default=420.0, help="seconds for tests/test_gpu.py")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
@@ -266,18 +287,24 @@ def main(argv: list[str] | None = None) -> None:
     size, out = SIZES[args.size], Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     precision = "bf16-mixed" if args.device == "cuda" else "32-true"
+    cuda = args.device == "cuda"
+    parts = {  # the checks first, then the figures
+        "tests": (lambda: gpu_tests(args.tests_timeout)) if cuda else None,
+        "overhead": lambda: overhead(size, args.device, precision, args.warmup, args.steps, args.repeats),
+        "mfu": lambda: mfu(size, args.device, args.warmup, args.steps, args.peak_tflops),
+        "overlap": lambda: overlap(size, args.device, args.warmup, min(args.steps, 3)),
+        "cpu_offload": (lambda: cpu_offload(size, args.warmup, args.steps, args.repeats)) if cuda else None,
+    }
     results = {
-        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
         "peak_tflops": args.peak_tflops,
         "size": size,
         "overhead_precision": precision,
-        "overhead": overhead(size, args.device, precision, args.warmup, args.steps, args.repeats),
-        "mfu": mfu(size, args.device, args.warmup, args.steps, args.peak_tflops),
     }
-    results["overlap"] = overlap(size, args.device, args.warmup, min(args.steps, 3))
-    if args.device == "cuda":
-        results["cpu_offload"] = cpu_offload(size, args.warmup, args.steps, args.repeats)
-        results["tests"] = gpu_tests()
+    for name, run in parts.items():
+        if run is not None and (not args.only or name in args.only):
+            results[name] = run()
+            report(results, out)
     print(report(results, out))
 
 
