@@ -10,6 +10,9 @@ Newton-Schulz iterations every rank ran: each matrix's, once per step, on one ra
 orthogonalises in bfloat16, where a last-bit difference of an averaged gradient (DDP's all-reduce sums more than
 two ranks in another order) can become a whole bfloat16 step of an update; so their reference is Lightning's DDP
 with the gradients averaged in shardlab's order (``RankOrderDDP``), and the weights must be equal bit for bit.
+
+``ddp_parity`` also runs with several ranks sharing one device under both strategies (``ranks_per_device``): the
+GPU checks (tests/test_gpu.py) run the whole-tensor optimizers so on a machine with one GPU.
 """
 
 from __future__ import annotations
