@@ -57,9 +57,10 @@ def test_a_2x2_hybrid_layout_of_four_ranks_sharing_one_gpu_matches_the_reference
     assert all(r["replicas"] == 2 and r["shard_group"] == [0, 1] for r in reports), reports
 
 
-def test_bf16_mixed_on_two_ranks_sharing_one_gpu_matches_the_same_recipe() -> None:
-    """precision="bf16-mixed" through the Trainer on the GPU against the same recipe unsharded (on CPU), stages
-    1-3 in one launch."""
+def test_bf16_mixed_on_two_ranks_sharing_one_gpu_matches_the_same_recipe_and_nears_ddp() -> None:
+    """precision="bf16-mixed" through the Trainer on the GPU against the same recipe unsharded (on CPU), and near
+    Lightning's DDP in bf16-mixed sharing the GPU too (another recipe: autocast on fp32 weights), stages 1-3 in one
+    launch."""
     kwargs = {"target": "tests.test_mixed_precision:trainer_bf16_mixed", "world_size": 2, "accelerator": "cuda"}
     run_ranks("tests.test_gpu:every_stage", 2, kwargs, timeout=600)
 
