@@ -7,7 +7,7 @@
     host_reads.py       the one seam where the host reads a device value (a wait for its queue), counted
     transport.py        launching on torch.distributed: one ``Launched`` per call, waited once
     transport_probe.py  which transport each collective takes on gloo, timed once at setup
-    link_probe.py       this machine's link between two gloo ranks, timed (``shardlab plan --interconnect local``)
+    link_probe.py       a link timed with batches of all-gathers: a run's groups, or two gloo ranks of its own (plan)
     store.py            the rendezvous store under a namespace of this attempt: what a torchrun restart left is not read
     wire.py             self-verifying collectives as pairwise sends: a header before each payload
     verify.py           the header codec, and the header exchange for backends where pairs do not fit

@@ -13,15 +13,12 @@ time made a link read several times too fast.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from lightning_shardlab.budget.predicted.zero_table import Interconnect
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.collectives import Comm
-from lightning_shardlab.comm.link_probe import time_local_all_gathers
+from lightning_shardlab.comm.link_probe import time_gather_batches, time_local_all_gathers
 
 CALLS = 4  # all-gathers per timed batch
 SIZES = (64 * 2**10, 4 * 2**20)  # bytes per rank of each call: the small and the large batch
@@ -50,20 +47,6 @@ def measure_run_link(comm: Comm, repeats: int = 3) -> Interconnect:
     """Collective (every rank of ``comm``): the run's own link, timed with its own all-gathers (its transport, its
     ranks), the slowest rank's medians deciding so that every rank predicts from the same link."""
     sizes = (SIZES[0], max(2 * SIZES[0], min(SIZES[1], GATHERED // (CALLS * comm.world_size)) // 4 * 4))
-    times = []
-    for nbytes in sizes:
-        shard = torch.zeros(nbytes // 4, device=comm.device)
-        fulls = [torch.empty(nbytes // 4 * comm.world_size, device=comm.device) for _ in range(CALLS)]
-        samples = []
-        for _ in range(repeats + 1):  # the first warms the path up
-            started = time.perf_counter()
-            calls = [
-                collectives.all_gather(full, shard, comm, label="link probe", kind="budget", async_op=True)
-                for full in fulls
-            ]
-            for call in calls:
-                call.wait()
-            samples.append(time.perf_counter() - started)
-        times.append(statistics.median(samples[1:]))
+    times = time_gather_batches(comm, sizes, CALLS, repeats)
     slowest = collectives.all_reduce(torch.tensor(times, dtype=torch.float64), comm, op="max", label="link probe")
     return fit_link(f"this run's {comm.scope} group, measured", slowest.tolist(), comm.world_size, sizes)
