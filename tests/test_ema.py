@@ -6,7 +6,8 @@
 2. A sharded checkpoint saved at 2 ranks, stage 3, resumes at 4 ranks, stage 2 (a full checkpoint written
    there loads at 1 rank, stage 1): the average continues exactly as DDP's uninterrupted one, with an
    update every 2 steps; ``shardlab consolidate`` writes the average under ``ema_state_dict``.
-3. Lightning's EMA weight averaging (and a subclass of its SWA) is refused on every rank, naming ShardLabEMA.
+Lightning's own weight averaging, and users' subclasses of it, run sharded too
+(tests/test_weight_averaging_subclasses.py).
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ import copy
 from pathlib import Path
 
 import lightning as L
-import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+from lightning.pytorch.callbacks import EMAWeightAveraging
 from torch.testing import assert_close
 
 from lightning_shardlab import ShardLabEMA, ShardLabStrategy
@@ -180,27 +180,3 @@ def test_the_average_resumes_at_another_world_size_and_stage(tmp_path: Path) -> 
     )[0]
     for key, value in second["averaged"].items():  # the full checkpoint's average, at 1 rank and stage 1
         assert torch.equal(third["averaged"][key], value), key
-
-
-# ---- Lightning's own weight averaging: refused ----
-
-
-class MySWA(StochasticWeightAveraging):
-    """A user's subclass: its methods may read the whole model, so it is not run sharded (tests/test_swa.py runs
-    Lightning's own class, sharded)."""
-
-
-def refused(callback: str) -> str:
-    made = {"ema": lambda: EMAWeightAveraging(decay=0.9), "swa": lambda: MySWA(swa_lrs=0.01)}
-    trainer = _trainer("shardlab", [made[callback]()], 2, max_steps=2, enable_checkpointing=False)
-    try:
-        trainer.fit(RegressionNet(), OrderedData(regression_dataset(8), 2))
-    except ValueError as err:
-        return str(err)
-    return "not refused"
-
-
-@pytest.mark.parametrize("callback", ["ema", "swa"])
-def test_lightning_weight_averaging_is_refused_naming_shardlab_ema(callback: str) -> None:
-    for message in run_ranks("tests.test_ema:refused", 2, {"callback": callback}, timeout=120):
-        assert "keeps an unsharded copy of the whole model" in message and "ShardLabEMA(decay=...)" in message, message

@@ -103,9 +103,11 @@ class ShardLabDistributed:
         return self.config.group_sizes(self.world_size, self.num_processes)
 
     def open_process_group(self) -> Comm:
-        """Join the process group (a world of one communicates nothing) and return this rank's ``Comm``.
-        The group sizes and the offload tier are checked first: a bad ``shard_group_size``, ``offload='cpu'`` on a
-        CPU run or an unwritable ``offload_dir`` is refused before any collective."""
+        """Join the process group and return this rank's ``Comm``. A world of one joins one too, as DDP does: a
+        user's hook may build a ``DistributedSampler`` or call ``torch.distributed`` at any device count (its
+        ``Comm`` still communicates nothing). The group sizes and the offload tier are checked first: a bad
+        ``shard_group_size``, ``offload='cpu'`` on a CPU run or an unwritable ``offload_dir`` is refused before any
+        collective."""
         _ = self.group_sizes
         check_offload(self.config, self.root_device)
         reset_seed()
@@ -115,7 +117,7 @@ class ShardLabDistributed:
         if backend == "nccl":
             kwargs["device_id"] = self.root_device
         assert self.cluster_environment is not None
-        if self.world_size > 1 and not _distributed_is_initialized():
+        if not _distributed_is_initialized():
             env = self.cluster_environment  # on keys of its own (comm/store.py): torchrun restarts reuse the store
             kwargs["store"] = open_store(env.main_address, env.main_port, self.global_rank, self.world_size, timeout)
             _init_process_group(env, backend, **kwargs)

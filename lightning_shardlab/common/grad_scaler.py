@@ -8,7 +8,9 @@ maximum of the found-inf flag over the ranks (one all-reduce, "loss scale overfl
 overflowed on one rank only is in one rank's shard only, so without it that rank would skip the step and the
 others would take it; with it every rank skips, as under DDP, whose all-reduce spreads the inf to every rank.
 Everything else (the scale, its growth and backoff, ``step`` skipping on inf, ``update``, ``state_dict``) is
-torch's.
+torch's, or the user's: a scaler given to Lightning's ``MixedPrecision(..., scaler=...)`` is kept, the same
+object, its class swapped for a subclass of its own class with this one in front (``adopt``), so a subclass's
+overrides (of ``update``, ``step``, ``scale``) run and ``trainer.precision_plugin.scaler`` is the user's scaler.
 """
 
 from __future__ import annotations
@@ -59,6 +61,22 @@ class ShardedGradScaler(torch.amp.GradScaler):
             flag.copy_(anywhere)
         return found or {found_inf.device: found_inf.copy_(anywhere)}
 
+    @property
+    def device_type(self) -> str:
+        """The device its scale lives on (torch keeps it as ``_device``; a CUDA scaler on a CPU run is disabled)."""
+        return str(getattr(self, "_device", "cuda"))
+
+    @classmethod
+    def adopt(cls, scaler: torch.amp.GradScaler, main_params: Callable[[Optimizer], list[Tensor]]) -> ShardedGradScaler:
+        """``scaler`` itself, sharded: its class becomes a subclass of its own with this class in front (named like
+        its own), so its settings, state, identity and overrides stay; only ``_unscale_grads_`` is ours."""
+        if not isinstance(scaler, ShardedGradScaler):
+            scaler.__class__ = _sharded_scaler_class(type(scaler))
+            scaler.sharded = None
+            scaler._overflow = {}
+        scaler.main_params = main_params  # type: ignore[attr-defined]
+        return scaler  # type: ignore[return-value]
+
     @classmethod
     def like(
         cls, scaler: torch.amp.GradScaler | None, device: str, main_params: Callable[[Optimizer], list[Tensor]]
@@ -77,8 +95,19 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     def overflowed(self, optimizer: Optimizer) -> bool:
         """Whether any rank found inf or nan in ``optimizer``'s gradients (after ``unscale_``)."""
-        return self._overflow[id(optimizer)]
+        return self._overflow.get(id(optimizer), False)  # a disabled scaler unscales nothing
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         super().update(new_scale)
         self._overflow.clear()
+
+
+_CLASSES: dict[type, type[ShardedGradScaler]] = {torch.amp.GradScaler: ShardedGradScaler}
+
+
+def _sharded_scaler_class(cls: type[torch.amp.GradScaler]) -> type[ShardedGradScaler]:
+    """``ShardedGradScaler`` in front of a user's GradScaler subclass, under the subclass's own name."""
+    if cls not in _CLASSES:
+        names = {"__name__": cls.__name__, "__qualname__": cls.__qualname__, "__module__": cls.__module__}
+        _CLASSES[cls] = type(cls.__name__, (ShardedGradScaler, cls), {**names, "__doc__": cls.__doc__})
+    return _CLASSES[cls]

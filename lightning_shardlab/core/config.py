@@ -208,7 +208,9 @@ class ShardLabConfig:
 
     elementwise_optimizers: tuple[type[torch.optim.Optimizer], ...] = ()
     """Extra optimizer classes (classes, import paths or a mix, held as classes) whose update is elementwise,
-    so a shard-local step is exact."""
+    so a shard-local step is exact. A class not known (and not listed) is stepped whole on owner ranks, as those
+    of ``whole_tensor_optimizers`` are: exact for any update, at two all-to-alls per step; listing it here steps
+    its shards instead, with no exchange."""
 
     whole_tensor_optimizers: tuple[type[torch.optim.Optimizer], ...] = ()
     """Extra optimizer classes (classes, import paths or a mix, held as classes) whose update of a parameter

@@ -161,6 +161,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
         self.comm = sharded.comm
         if self.sanity_config.verify_collectives:
             sharded.verify_collectives()
+        sharded.reads.open()  # a loop of the user's own: gradients (and stage-3 weights) read from the shards
         self.sharded_models[id(module)] = sharded
         plugin.sharded = sharded
         # an optimizer made before the module was sharded holds its original parameters: remember their names
@@ -215,7 +216,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         sharded = self.sharded_model(module) if module is not None or len(self.sharded_models) == 1 else None
-        tensor = self.precision.pre_backward(tensor, module)
+        self.precision.pre_backward(tensor, module)  # Fabric's MixedPrecision scales the loss in its backward
         if sharded is not None:
             sharded.prepare_backward(tensor)
         else:  # several models: the root of every model announces itself when backward reaches it

@@ -6,7 +6,9 @@ sharded model; ``ShardLabSanity`` (callback.py) drives it from the Trainer, and 
 default. The guard never imports the strategy. Each piece lives in its own file:
 
     fingerprints.py  collective fingerprints: the cheap check every K steps, the strict check per call
-    divergence.py    replicated state compared by digest every K steps; the duplicate-data check
+    divergence.py    replicated state compared by digest every K steps; the batch's digest
+    data_source.py   where each rank's batches come from: its DataLoader's sampler, read without drawing from it
+    duplicate_data.py  the data check's verdict: the same samples stop the run, equal batches it cannot judge warn
     device_check.py  both in one all-gather per check, read without a wait (a GPU's verdict: the next step)
     watchdog.py      hangs, failed and killed ranks: ends the run on every rank with a report (report.py)
     device_queue.py  the collectives a GPU has not finished, asked without waiting: a hang the host does not see
@@ -20,8 +22,8 @@ A plain loop::
 
     guard = SanityGuard(sharded, [optimizer], SanityConfig(every_n_steps=10))
     with guard:                              # watchdog and observers on; a clean exit runs a last check
-        for step, batch in enumerate(batches):
-            guard.before_step(step, batch)   # every K steps: fingerprints, replicated state, data
+        for step, batch in enumerate(loader):
+            guard.before_step(step, batch, loader)  # every K steps: fingerprints, replicated state, data
             ...                              # forward, backward, optimizer.step()
             if guard.stop_after(step):       # SIGTERM on any rank: True on every rank after the same step
                 break

@@ -3,9 +3,10 @@
     trainer = L.Trainer(strategy=ShardLabStrategy(stage=3), devices=2,
                         callbacks=[ShardLabSanity(every_n_steps=10, collective_timeout_s=300)])
 
-Before every K-th training batch: collective fingerprints, replicated state and the data check (each one
-tiny all-gather); the watchdog from ``on_fit_start`` to the end of fit; on SIGTERM (any rank), every rank
-stops after the same batch and raises Lightning's ``SIGTERMException``, as Lightning does for one rank.
+Before every K-th training batch: collective fingerprints, replicated state and the data check, which reads the
+training DataLoader's sampler to judge equal batches (each one tiny all-gather); the watchdog from
+``on_fit_start`` to the end of fit; on SIGTERM (any rank), every rank stops after the same batch and raises
+Lightning's ``SIGTERMException``, as Lightning does for one rank.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class ShardLabSanity(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         assert self.guard is not None
-        self.guard.before_step(self.batches, batch)
+        self.guard.before_step(self.batches, batch, trainer.train_dataloader)  # its sampler judges equal batches
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -17,8 +17,8 @@ of some replicated state has drifted. What must be identical between steps:
 ``replicated_digests`` hashes each of these to 16 bytes on the device (``tensor_digest``: bit patterns, so one ulp
 counts); the guard all-gathers them with the batch's digest (``batch_digest``) in one collective
 (device_check.py) and ``judge_replicated`` compares them and, only when they differ, exchanges the first differing
-entry to name the rank, the tensor and the element. ``judge_batches`` is the data check: ranks whose batches hash
-equal read the same data.
+entry to name the rank, the tensor and the element. The batch's digest is the data check's question; its verdict
+is duplicate_data.py's, which reads each rank's sampler (data_source.py).
 """
 
 from __future__ import annotations
@@ -287,21 +287,3 @@ def batch_digest(batch: Any, device: torch.device) -> Tensor:
     values = [repr(x) for x in leaves if not isinstance(x, Tensor)]
     parts.append(to_device(value_digest(values), device))
     return tensor_digest(torch.stack(parts))
-
-
-def judge_batches(rank: int, digests: Tensor, when: str = "") -> None:
-    """Raise ``DuplicateDataError`` (every rank holds the same ``digests``, (world, 2), on the host) if two ranks
-    hold the same batch."""
-    groups: dict[tuple, list[int]] = {}
-    for r, digest in enumerate(digests.tolist()):
-        groups.setdefault(tuple(digest), []).append(r)
-    same = [ranks for ranks in groups.values() if len(ranks) > 1]
-    if same:
-        listed = "; ".join("ranks " + ", ".join(map(str, ranks)) for ranks in same)
-        where = f" ({when})" if when else ""
-        raise DuplicateDataError(
-            f"[rank {rank}] identical training batches{where}: {listed} received the same batch, so they"
-            " compute the same gradients and the run trains on 1/N of the data it pays for. HINT: give each rank"
-            " its own part of the data: keep Trainer(use_distributed_sampler=True), or build the DataLoader with a"
-            " DistributedSampler(num_replicas=world_size, rank=rank), or shard an IterableDataset by rank."
-        )

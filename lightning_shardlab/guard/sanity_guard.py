@@ -11,7 +11,9 @@ from torch.optim import Optimizer
 
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.core.config import check_bool, check_int, check_positive
+from lightning_shardlab.guard.data_source import describe
 from lightning_shardlab.guard.device_check import DeviceCheck
+from lightning_shardlab.guard.duplicate_data import DataVerdicts
 from lightning_shardlab.guard.fingerprints import FingerprintRecorder, StrictCollectives, check_fingerprints
 from lightning_shardlab.guard.orderly_stop import OrderlyStop
 from lightning_shardlab.guard.watchdog import Watchdog, log
@@ -36,7 +38,9 @@ class SanityConfig:
     """Compare buffers, stage 1-2 full parameters and optimizer hyperparameters/step counters across ranks."""
 
     check_data: bool = True
-    """Report ranks that receive identical batches."""
+    """Report ranks that draw the same samples: equal batches judged by the ranks' samplers (a DistributedSampler's
+    indices), so equal samples drawn by other indices are no fault; equal batches it cannot judge (an
+    IterableDataset) are warned of once."""
 
     skip_buffers: tuple[str, ...] = ()
     """fnmatch patterns of buffers that legitimately differ across ranks (normalisation statistics are skipped
@@ -85,6 +89,7 @@ class SanityGuard:
         self.orderly: OrderlyStop | None = None
         self._stragglers_warned = 0  # how many of the step clock's stragglers were warned of
         self._pending: DeviceCheck | None = None  # a check whose verdict waits for the device (device_check.py)
+        self.data_verdicts = DataVerdicts()  # the data check's memory over the run: it warns once (duplicate_data.py)
 
     @property
     def comm(self) -> Comm:
@@ -110,13 +115,15 @@ class SanityGuard:
         if self.orderly is not None:
             self.orderly.install()
 
-    def before_step(self, step: int, batch: Any = None) -> None:
+    def before_step(self, step: int, batch: Any = None, loader: Any = None) -> None:
         """Every rank, before each step: the verdict of a check still in flight (a GPU's: device_check.py), then
-        the cheap checks when ``step`` is a multiple of ``every_n_steps``."""
+        the cheap checks when ``step`` is a multiple of ``every_n_steps``. ``loader``: the DataLoader(s) ``batch``
+        came from, whose sampler tells the data check which samples each rank drew (data_source.py); without it
+        the check has the batch's bytes only, and equal bytes are taken for the same samples."""
         self.conclude()
         every = self.config.every_n_steps
         if every and step % every == 0:
-            self.check(f"before step {step}", batch)
+            self.check(f"before step {step}", batch, loader)
         self.warn_of_stragglers()
 
     def conclude(self) -> None:
@@ -135,13 +142,14 @@ class SanityGuard:
                 warnings.warn(f"[rank 0] straggler: {straggler['message']}", stacklevel=2)
         self._stragglers_warned = len(named)
 
-    def check(self, when: str, batch: Any = None) -> None:
+    def check(self, when: str, batch: Any = None, loader: Any = None) -> None:
         """Collective: fingerprints, then replicated state and data (one all-gather of digests, judged now on
         CPU ranks, at the next step's start on a GPU). Raises on every rank on a fault."""
         check_fingerprints(self.comm, self.recorder, when)
         optimizers = self.optimizers if self.config.check_replicated else None
         batch = batch if self.config.check_data else None
-        self._pending = DeviceCheck.launch(self.sharded, optimizers, self.config.skip_buffers, batch, when)
+        source = (describe(loader), self.data_verdicts)
+        self._pending = DeviceCheck.launch(self.sharded, optimizers, self.config.skip_buffers, batch, when, source)
         if self._pending is not None and not self._pending.deferred:
             self.conclude()
 

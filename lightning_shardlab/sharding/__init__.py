@@ -22,6 +22,7 @@ In the order a step meets them:
     stand_ins.py        the engine's tensors in an optimizer's param groups for one update, state beside them
     owners.py           whole-tensor optimizers (Muon, Adafactor): each parameter's owner rank, its pieces
     whole_step.py       their step: gather whole parameters on the owners, update, return the pieces
+    refused_optimizers.py  what no sharding makes exact (LBFGS, SparseAdam, ZeroRedundancyOptimizer), and why
     gathered.py         full weights between steps for the user (``gathered_params``)
     averages.py         the sharded exponential average of the master shards (EMA)
     offload_tier.py     what the engine asks of an offload tier (offload/ implements it)

@@ -1,10 +1,11 @@
 """Averaged weights, kept sharded: each rank averages its own master shards (no communication per update).
 
-``Averages`` is the state; ``ShardLabEMA`` (trainer/ema.py) and ``ShardLabSWA`` (trainer/swa.py) decide when to
-update it, ShardLabSWA by its own rule (``update_with``). The update is torch's
-``AveragedModel`` with ``get_ema_avg_fn(decay)``, applied to this rank's slice: the first update copies
-the weights, later ones compute ``decay * average + (1 - decay) * weights``. Both are elementwise, so the
-slices of the unsharded average and the averages of the slices are the same numbers, bit for bit.
+``Averages`` is the state; ``ShardLabEMA`` (trainer/ema.py), ``ShardLabSWA`` (trainer/swa.py) and
+``ShardLabWeightAveraging`` (trainer/weight_averaging.py) decide when to update it: ShardLabSWA by its own rule
+(``update_with``), Lightning's ``WeightAveraging`` by torch's ``AveragedModel`` code itself (``update_like_torch``),
+ShardLabEMA by torch's ``AveragedModel`` with ``get_ema_avg_fn(decay)`` (``update``), applied to this rank's slice:
+the first update copies the weights, later ones compute ``decay * average + (1 - decay) * weights``. Every rule is
+elementwise, so the slices of the unsharded average and the averages of the slices are the same numbers, bit for bit.
 
     shards[i]    1-D, S, master dtype: the average of flat parameter i's master shard (a frozen one too: it may
                  be unfrozen later, as BaseFinetuning does)
@@ -19,7 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
 
 from lightning_shardlab.sharding.flat_param import FlatParam
 from lightning_shardlab.sharding.sharded_model import ShardedModel
@@ -59,6 +61,24 @@ class Averages:
                 avg.copy_(fp.master if self.n_averaged == 0 else avg_fn(avg, fp.master, n.to(avg.device)))
         for name, buf in sharded.module.named_buffers():
             self.buffers[name].copy_(buf)
+        self.n_averaged += 1
+
+    @torch.no_grad()
+    def update_like_torch(self, sharded: ShardedModel, avg_fn: Callable | None, multi_avg_fn: Callable | None) -> None:
+        """One update by torch's own ``AveragedModel.update_parameters``, run on this rank's slices (Lightning's
+        ``WeightAveraging``: ``avg_fn`` or ``multi_avg_fn`` as its user passed them). Torch's code, not a copy of
+        it: the first update's copy, the choice between a foreach and a per-tensor rule (by device), and the
+        buffers (averaged with ``use_buffers``, else kept in step with the model's) are torch's. Any rule that
+        treats each element on its own (every rule torch provides) gives the slices of the unsharded average."""
+        average = AveragedModel.__new__(AveragedModel)
+        nn.Module.__init__(average)
+        average.module = _AsModule([a for a in self.shards if a is not None], list(self.buffers.values()))
+        device = next(iter(average.module.parameters())).device
+        average.register_buffer("n_averaged", torch.tensor(self.n_averaged, dtype=torch.long, device=device))
+        average.avg_fn, average.multi_avg_fn, average.use_buffers = avg_fn, multi_avg_fn, self.use_buffers
+        masters = [fp.master for fp, a in zip(sharded.flat_params, self.shards) if a is not None]
+        buffers = dict(sharded.module.named_buffers())
+        average.update_parameters(_AsModule(masters, [buffers[name] for name in self.buffers]))
         self.n_averaged += 1
 
     @torch.no_grad()
@@ -117,3 +137,14 @@ class Averages:
         for name, value in record["buffers"].items():
             if name in self.buffers:
                 self.buffers[name].copy_(value)
+
+
+class _AsModule(nn.Module):
+    """Tensors presented as a module's parameters and buffers, sharing their storage: what torch's
+    ``AveragedModel.update_parameters`` reads and writes in place (``parameters()``, ``buffers()``, in order)."""
+
+    def __init__(self, params: list[Tensor], buffers: list[Tensor]) -> None:
+        super().__init__()
+        self.params = nn.ParameterList(nn.Parameter(t.detach(), requires_grad=False) for t in params)
+        for i, buf in enumerate(buffers):
+            self.register_buffer(f"buffer{i}", buf)

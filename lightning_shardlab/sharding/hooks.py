@@ -88,6 +88,7 @@ def hook_pre_backward(events: Events, unit: Unit, tensors: Any) -> None:
         register_multi_grad_hook(leaves, lambda _grad: events.pre_backward(unit), mode="any")
 
 
+@torch._dynamo.disable  # the engine's bookkeeping runs eagerly: a compiled module's graph breaks around it
 def _pre_forward(events: Events, unit: Unit, module: Any, args: tuple, kwargs: dict) -> Any:
     if (
         unit.training is TrainingState.BACKWARD
@@ -116,6 +117,7 @@ def _block_post_backward(events: Events, unit: Unit) -> None:
         events.post_backward(unit)
 
 
+@torch._dynamo.disable
 def _post_forward(events: Events, unit: Unit, module: Any, args: tuple, output: Any) -> None:
     if unit.training is TrainingState.BACKWARD:
         return

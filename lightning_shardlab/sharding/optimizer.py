@@ -9,8 +9,8 @@ of the user's class under the user's own name (``sharded_class``: ``LearningRate
     step               runs the closure (forward and backward), then, for the update alone, puts the master
                        views in the param groups and the optimizer's state beside them (``masters_in_place``),
                        and runs the class's own update; the state goes back beside the original params
-    zero_grad          clears the original params' gradients (kept unreduced inside ``no_sync``) and the
-                       master views' (the reduced gradient shards)
+    zero_grad          clears the original params' gradients (kept unreduced inside ``no_sync``, or the stand-ins
+                       of the reduced gradients: sharding/shard_reads.py) and the master views' (the gradient shards)
     add_param_group    takes any parameter of the sharded module (``BaseFinetuning`` unfreezes and adds them
                        mid-run), and refuses anything else at once
     load_state_dict    loads beside the master views, so state keeps their dtype and device
@@ -19,13 +19,18 @@ A step on a slice equals the slice of a full step only when the update of each e
 element alone. Optimizers whose update reads the whole parameter (Muon, Adafactor, and the classes of the
 ``whole_tensor_optimizers`` option) step whole parameters instead, each on its owner rank
 (sharding/whole_step.py): the same methods, with ``whole_tensors_in_place`` in place of ``masters_in_place``.
-Optimizers that are neither are refused, naming why.
+So does a class shardlab does not know (a subclass of SGD whose ``step`` checks something and calls
+``super().step()``, a class of the user's own): stepped whole, its update is exact whatever it reads of a
+parameter, at the cost of two all-to-alls per step; rank 0 says once how to declare it elementwise, for speed.
+What no owner rank can make exact (LBFGS, SparseAdam, ZeroRedundancyOptimizer) is refused, naming why
+(sharding/refused_optimizers.py).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,6 +44,7 @@ from torch.optim import Optimizer
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.core.config import class_path
+from lightning_shardlab.sharding.refused_optimizers import refusal, wrapped_by
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 from lightning_shardlab.sharding.stand_ins import standing_in
 from lightning_shardlab.sharding.whole_step import plan_of, state_placeholder, whole_tensors_in_place
@@ -58,13 +64,6 @@ ELEMENTWISE: tuple[type[Optimizer], ...] = (
 )
 
 WHOLE_TENSOR: tuple[type[Optimizer], ...] = (torch.optim.Muon, torch.optim.Adafactor)
-
-# what no owner rank can make exact, and why
-REFUSED: dict[str, str] = {
-    "LBFGS": "its step re-runs the closure (a forward and backward every rank must take part in) during a"
-    " line search along one direction over all parameters of the model together",
-    "SparseAdam": "it needs sparse gradients, which cannot be reduce-scattered into flat shards",
-}
 
 
 # per-element optimizer state tensors of torch's elementwise optimizers (before hyperparameter extras)
@@ -143,29 +142,55 @@ def is_per_element(key: str, value: Any, shape: torch.Size | None) -> bool:
 
 
 def check_optimizer(
-    optimizer: Optimizer, elementwise: tuple[type[Optimizer], ...] = (), whole: tuple[type[Optimizer], ...] = ()
-) -> bool:
-    """Whether ``optimizer`` steps whole parameters (True) or shards (False); ``ValueError`` when neither is
-    exact (``elementwise``, ``whole``: the classes of the options of those names)."""
+    optimizer: Optimizer,
+    elementwise: tuple[type[Optimizer], ...] = (),
+    whole: tuple[type[Optimizer], ...] = (),
+    rank: int = 0,
+) -> str:
+    """How ``optimizer`` steps: 'elementwise' (this rank's shard), 'whole' (known to read whole parameters: on
+    their owners) or 'unknown' (on the owners too, exact for any update; ``announce_unknown`` says so).
+    ``ValueError`` naming why for what cannot be made exact (``elementwise``, ``whole``: the classes of the options
+    of those names, which take precedence over what is known of their bases)."""
     cls = type(optimizer)
+    error = refusal(cls, rank, wrapped_by(optimizer))
+    if error is not None:
+        raise error
     if cls in ELEMENTWISE + tuple(elementwise):
-        return False
+        return "elementwise"
     if cls in WHOLE_TENSOR + tuple(whole):
-        return True
-    if cls.__name__ in REFUSED:
-        raise ValueError(
-            f"{cls.__name__} cannot run sharded: {REFUSED[cls.__name__]}. HINT: use another optimizer (AdamW, SGD,"
-            " Muon, Adafactor, ...)."
-        )
-    for known, is_whole in ((ELEMENTWISE, False), (WHOLE_TENSOR, True)):
+        return "whole"
+    for known, kind in ((ELEMENTWISE, "elementwise"), (WHOLE_TENSOR, "whole")):
         base = next((b for b in known if issubclass(cls, b)), None)
-        if base is not None and cls.step is base.step:
-            return is_whole  # a subclass that keeps its base's update (e.g. adds logging)
-    raise ValueError(
-        f"{cls.__name__} is not known to update elementwise or per whole tensor; sharding it could change results."
-        " HINT: if each element's update depends only on its own value, gradient and state, list the class in"
-        f" elementwise_optimizers=['{class_path(cls)}']; if the update of a parameter reads the whole parameter"
-        f" (as Muon's and Adafactor's do), list it in whole_tensor_optimizers=['{class_path(cls)}']."
+        if base is not None and _update_of(cls) is _update_of(base):
+            return kind  # a subclass that keeps its base's update (e.g. adds logging)
+    return "unknown"
+
+
+def _update_of(cls: type[Optimizer]) -> Callable[..., Any]:
+    """The class's own update: its ``step`` without the profiling hooks torch wraps it in when the first instance
+    of a class that does not define ``step`` itself is made (then the subclass's ``step`` is a new wrapper)."""
+    step = cls.step
+    while getattr(step, "hooked", False):
+        step = step.__wrapped__
+    return step
+
+
+_ANNOUNCED: weakref.WeakKeyDictionary[ShardedModel, set[type]] = weakref.WeakKeyDictionary()
+
+
+def announce_unknown(cls: type[Optimizer], sharded: ShardedModel) -> None:
+    """Rank 0, once per class and sharded model: an unknown optimizer steps whole parameters, exact, and the
+    option that steps shards instead (no exchanges) if its update is elementwise."""
+    announced = _ANNOUNCED.setdefault(sharded, set())
+    if cls in announced or sharded.mesh.world.rank != 0:
+        return
+    announced.add(cls)
+    warnings.warn(
+        f"[rank 0] {cls.__name__} is not known to update elementwise, so each parameter it steps is stepped whole on"
+        " one owner rank (exact for any update; each step exchanges gradients and values). HINT: if each element's"
+        " update depends only on its own value, gradient and state, pass"
+        f" elementwise_optimizers=['{class_path(cls)}'] to step shards with no exchange.",
+        stacklevel=3,
     )
 
 
@@ -184,13 +209,16 @@ def shard_optimizer(optimizer: Optimizer, sharded: ShardedModel) -> None:
     """Make ``optimizer`` step this rank's master shards (every rank, same param groups), in place."""
     if getattr(optimizer, "_shardlab_sharded", None) is sharded:
         return  # set up already (Fabric's setup_optimizers after setup)
-    config = sharded.config
-    whole = check_optimizer(optimizer, config.elementwise_optimizers, config.whole_tensor_optimizers)
-    if whole and config.offload != "none":
+    config, rank = sharded.config, sharded.mesh.world.rank
+    if getattr(optimizer, "_shardlab_sharded", None) is not None:  # its step is the engine's: none of the user's
         raise ValueError(
-            f"{type(optimizer).__name__} steps whole parameters on their owner ranks, which is not built for"
-            f" offload={config.offload!r}. HINT: use offload='none' with whole-tensor optimizers."
+            f"[rank {rank}] {type(optimizer).__name__} steps the shards of another sharded model already."
+            " HINT: create a new optimizer over this model's parameters (in configure_optimizers())."
         )
+    kind = check_optimizer(optimizer, config.elementwise_optimizers, config.whole_tensor_optimizers, rank)
+    whole = kind != "elementwise"
+    if whole and config.offload != "none":
+        raise ValueError(_whole_offload_message(type(optimizer), kind, config.offload, rank))
     if optimizer.state:
         raise ValueError(
             f"{type(optimizer).__name__} already has state, so it was stepped before sharding."
@@ -198,13 +226,37 @@ def shard_optimizer(optimizer: Optimizer, sharded: ShardedModel) -> None:
         )
     for index, group in enumerate(optimizer.param_groups):
         _check_params(optimizer, sharded, group["params"], f"param group {index}")
+    if kind == "unknown":
+        announce_unknown(type(optimizer), sharded)
     optimizer.__class__ = sharded_class(type(optimizer), _sharded_methods(type(optimizer), sharded, whole))
     _rewrap_lr_scheduler(optimizer)
-    optimizer.register_step_post_hook(
-        lambda opt, args, kwargs: sharded.after_optimizer_step(
-            sharded.flat_params_of(_originals(opt)), {id(p) for p in _originals(opt)}
+    optimizer.register_step_post_hook(_after_step(sharded))
+
+
+def _whole_offload_message(cls: type[Optimizer], kind: str, offload: str, rank: int) -> str:
+    if kind == "unknown":
+        return (
+            f"[rank {rank}] {cls.__name__} is not known to update elementwise, so it steps whole parameters on their"
+            f" owner ranks, which is not built for offload={offload!r}. HINT: if its update is elementwise, pass"
+            f" elementwise_optimizers=['{class_path(cls)}'] (offload then steps its shards); otherwise use"
+            " offload='none'."
         )
+    return (
+        f"[rank {rank}] {cls.__name__} steps whole parameters on their owner ranks, which is not built for"
+        f" offload={offload!r}. HINT: use offload='none' with whole-tensor optimizers."
     )
+
+
+def _after_step(sharded: ShardedModel) -> Callable[[Optimizer, Any, Any], None]:
+    """The post-step hook: the compute copies follow the stepped masters. Not while the class's own update runs: a
+    subclass's ``step`` that calls ``super().step()`` runs the base's hooked step, and so this hook, inside it."""
+
+    def hook(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if not getattr(optimizer, "_shardlab_updating", False):
+            originals = _originals(optimizer)
+            sharded.after_optimizer_step(sharded.flat_params_of(originals), {id(p) for p in originals})
+
+    return hook
 
 
 def sharded_class(cls: type[Optimizer], methods: dict[str, Any]) -> type[Optimizer]:
@@ -236,8 +288,7 @@ def _originals(optimizer: Optimizer) -> list[Tensor]:
 
 
 def _sharded_methods(cls: type[Optimizer], sharded: ShardedModel, whole: bool) -> dict[str, Any]:
-    hooked = cls.step
-    raw = hooked.__wrapped__ if getattr(hooked, "hooked", False) else hooked  # the update, without the hooks
+    raw = _update_of(cls)  # the update, without the hooks
     in_place = whole_tensors_in_place if whole else masters_in_place
 
     def step(self: Optimizer, closure: Callable[[], Any] | None = None) -> Any:
@@ -247,7 +298,8 @@ def _sharded_methods(cls: type[Optimizer], sharded: ShardedModel, whole: bool) -
                 loss = closure()
         if sharded.comm.clock is not None:
             sharded.comm.clock.phase("optimizer")
-        with in_place(self, sharded):
+        sharded.reads.settle()  # a .grad the user set to None (module.zero_grad()) or replaced since backward
+        with in_place(self, sharded), _updating(self):
             update = getattr(self, "_shardlab_update", None)  # offload='disk' steps one flat parameter at a time
             update(raw) if update is not None else raw(self)
         return loss
@@ -281,6 +333,16 @@ def _sharded_methods(cls: type[Optimizer], sharded: ShardedModel, whole: bool) -
         "_shardlab_sharded": sharded,
         "_shardlab_whole": whole,
     }
+
+
+@contextmanager
+def _updating(optimizer: Optimizer) -> Iterator[None]:
+    """For the block the class's own update runs: the post-step hook waits for the sharded step's end."""
+    optimizer._shardlab_updating = True  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        optimizer._shardlab_updating = False  # type: ignore[attr-defined]
 
 
 @contextmanager
@@ -352,14 +414,22 @@ def global_grad_norm(params: list[Tensor], norm_type: float, comm: Comm) -> Tens
     """
     grads = [p.grad for p in params if p.grad is not None]  # master views (ShardedModel.masters)
     device = grads[0].device if grads else comm.device  # the host's with offload='cpu': the sum travels
+    dtype = norm_dtype(params)
     if math.isinf(norm_type):
-        maxima = [g.abs().max().float() for g in grads if g.numel()]
-        local = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
+        maxima = [g.abs().max().to(dtype) for g in grads if g.numel()]
+        local = torch.stack(maxima).max() if maxima else torch.zeros((), device=device, dtype=dtype)
         return collectives.all_reduce(local.to(comm.device, copy=True), comm, op="max", label="grad norm")
-    powers = [torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads]
-    local = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
+    powers = [torch.linalg.vector_norm(g, norm_type).to(dtype) ** norm_type for g in grads]
+    local = torch.stack(powers).sum() if powers else torch.zeros((), device=device, dtype=dtype)
     total = collectives.all_reduce(local.to(comm.device, copy=True), comm, op="sum", label="grad norm")
     return total ** (1.0 / norm_type)
+
+
+def norm_dtype(params: list[Tensor]) -> torch.dtype:
+    """The dtype the global norm is summed and all-reduced in: fp32, or fp64 when a master is fp64 ("64-true",
+    where torch's clipping on fp64 gradients computes in fp64). Read from the master views, not their gradients,
+    so a rank holding no gradient sends the dtype every other rank sends."""
+    return torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
 
 
 def clip_grad_norm_(params: list[Tensor], max_norm: float, norm_type: float, comm: Comm) -> Tensor:

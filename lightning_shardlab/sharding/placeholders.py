@@ -1,13 +1,15 @@
-"""Reading a stage-3 parameter between steps fails loudly: it keeps its real shape, but not its values.
+"""A stage-3 parameter between steps: its real shape, no values here; read from the shards during fit, else refused.
 
 At stage 3 each rank holds a slice of every flat parameter between steps. The module's parameters stay the
 same objects for the whole run (the optimizer and callbacks hold them too); while their unit is sharded,
 each one's ``.data`` is a *stub* (its real shape and dtype over a storage of 0 bytes, so it costs no memory)
-and its class is ``ShardedAtRest``, a ``Parameter`` whose every tensor operation raises, naming the
-parameter, the code that read it (a Lightning callback if one did) and the fix. What needs no values stays
-open: ``shape``, ``dim()``, ``numel()``, ``dtype``, ``device``, ``requires_grad`` (read and set), ``.grad``, and
-where it lies (``untyped_storage()``, ``data_ptr()``, strides: the stub's, as memory accounting reads them).
-When the unit is gathered the class is plain ``nn.Parameter`` again, so computing costs nothing extra.
+and its class is ``ShardedAtRest``. What needs no values answers at once: ``shape``, ``dim()``, ``numel()``,
+``dtype``, ``device``, ``requires_grad`` (read and set), ``.grad``, and where it lies (``untyped_storage()``,
+``data_ptr()``, strides: the stub's, as memory accounting reads them). Every other tensor operation is a read of
+its values: while the strategy serves reads (during fit; Fabric after setup) it is served from the ranks' shards,
+as a collective every rank makes (sharding/shard_reads.py); otherwise it raises, naming the parameter, the code
+that read it (a Lightning callback if one did) and the fix. When the unit is gathered the class is plain
+``nn.Parameter`` again, so computing costs nothing extra.
 
 ``refuse_placeholders`` is the state-dict hook the sharded model installs; ``placeholders_allowed`` lets the
 checkpoint code list the keys (``state_dict(keep_vars=True)``) without reading any value.
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from lightning_shardlab.sharding.refused_optimizers import refused_under_construction
 
 # what a parameter at rest still answers: its metadata, its flag and its gradient, never its values
 METADATA = frozenset(
@@ -73,8 +77,10 @@ class ShardedAtRest(nn.Parameter):
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func not in METADATA:
             rest = next((a for a in _tensors(args, kwargs) if isinstance(a, ShardedAtRest)), None)
-            if rest is not None:
-                raise at_rest_error(rest, getattr(func, "__name__", str(func)))
+            if rest is not None:  # during fit its values are read from the shards (sharding/shard_reads.py)
+                from lightning_shardlab.sharding.shard_reads import serve_at_rest
+
+                return serve_at_rest(func, args, kwargs or {}, rest)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
@@ -93,10 +99,13 @@ def _tensors(args: tuple, kwargs: dict | None) -> Iterator[Any]:
             yield a
 
 
-def at_rest_error(param: ShardedAtRest, what: str) -> RuntimeError:
+def at_rest_error(param: ShardedAtRest, what: str) -> Exception:
     strategy = _calling_strategy()
     if strategy is not None:
         return handed_over_error(param, strategy)
+    refused = refused_under_construction(param._shardlab_rank)  # ZeroRedundancyOptimizer reads while it is made
+    if refused is not None:
+        return refused
     caller = _calling_callback()
     by = f" by {caller}" if caller else ""
     return RuntimeError(

@@ -24,7 +24,7 @@ from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.comm.labels import phase
 from lightning_shardlab.comm.mesh import Mesh
 from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
-from lightning_shardlab.sharding import divergent_units, gradients, hooks
+from lightning_shardlab.sharding import divergent_units, gradients, hooks, shard_reads
 from lightning_shardlab.sharding.flat_param import FlatParam, FlatParamLayout
 from lightning_shardlab.sharding.unit import TrainingState, Unit, UnitState
 from lightning_shardlab.sharding.unused_params import UsageAgreement
@@ -67,6 +67,9 @@ class ShardedModel:
         # forward (weights read between steps are then stale); measures what refresh()'s wait costs
         self._overlap_refresh = False
         self._by_id: dict[int, nn.Parameter] | None = None  # id(original param) -> master view
+        # what hooks read of gradients and stage-3 weights, served from the shards (sharding/shard_reads.py)
+        self.reads = shard_reads.ShardReads(mesh.shard)
+        self.reads.register_weights(self.flat_params)
 
     @property
     def root(self) -> Unit:
@@ -251,6 +254,8 @@ class ShardedModel:
             if usage is not None:
                 for unit, used in zip(pending, usage.result()):
                     unit.show_grads(used)
+                    for fp in unit.flat_params:  # each shown gradient is the parameter's .grad, as under DDP
+                        self.reads.show_grads(fp)
             else:
                 for unit in pending:
                     unit.end_reduction()
@@ -307,7 +312,7 @@ class ShardedModel:
                 continue
             headers.know(*names, *(f"{what} {n}" for n in names for what in ("state_dict", "optimizer state")))
             headers.explain = functools.partial(
-                divergent_units.explain, self.module, units, bool(self.config.unit_classes)
+                _explain, functools.partial(divergent_units.explain, self.module, units, bool(self.config.unit_classes))
             )
         for comm in self.mesh.comms():  # NCCL's host sides (comm/host_side.py): small host tensors, on the wire
             if comm.host is not None:
@@ -318,7 +323,9 @@ class ShardedModel:
         broadcast_buffers(self.module, self.comm, label="buffers")
 
     def prepare_backward(self, loss: Tensor) -> None:
-        """Announce the root's pre-backward when backward starts from ``loss``."""
+        """Announce the root's pre-backward when backward starts from ``loss``. The gradients' stand-ins leave the
+        parameters' ``.grad`` first: autograd accumulates into it, and the reduction reads it."""
+        self.reads.clear_grads()
         if self.comm.clock is not None:
             self.comm.clock.phase("backward")
         hooks.hook_pre_backward(self, self.root, loss)
@@ -388,6 +395,11 @@ class ShardedModel:
         out = torch.empty(fp.layout.padded_numel, dtype=shard.dtype, device=shard.device)
         collectives.all_gather(out, shard, self.mesh.shard, label=f"state_dict {fp.layout.name}")
         return out
+
+
+def _explain(units: Callable[[dict], str | None], each: dict) -> str | None:
+    """A read made on some ranks only (sharding/shard_reads.py), else a unit that ran on some ranks only."""
+    return shard_reads.explain(each) or units(each)
 
 
 def broadcast_buffers(module: nn.Module, comm: Comm, label: str) -> None:

@@ -4,5 +4,9 @@ strategy.py             ``ShardLabStrategy``: the Lightning strategy (hooks, che
 precision.py            ``ShardLabPrecision``: the Trainer's precision plugin on the shared recipe
 ema.py                  ``ShardLabEMA``: an average of the weights, kept sharded like the masters
 swa.py                  ``ShardLabSWA``: Lightning's StochasticWeightAveraging with its average sharded
+weight_averaging.py     ``ShardLabWeightAveraging``: Lightning's WeightAveraging with its average sharded
+averaging_subclasses.py users' subclasses of both run over that machinery, their overrides kept
+average_readers.py      a subclass that reads the whole averaged module: found, and refused naming its method
 lightning_callbacks.py  Lightning's ``ModelPruning`` and ``BaseFinetuning`` on sharded parameters
+compiled.py             ``trainer.fit(torch.compile(model))``: Lightning's check admits the strategy
 """

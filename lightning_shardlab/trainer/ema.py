@@ -20,8 +20,8 @@ numbers:
                      always does this)
 
 Checkpoints (sharded, full, consolidated) carry the average, and it is resharded at load to any world
-size and stage. Lightning's own ``WeightAveraging`` callbacks keep a whole unsharded copy of the model
-on every rank, so the strategy refuses them and names this one.
+size and stage. Lightning's own ``WeightAveraging`` callbacks (and users' subclasses) run on the same sharded
+average (trainer/weight_averaging.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
@@ -38,31 +37,25 @@ from lightning_shardlab.sharding.gathered import Modules, gathered_params
 from lightning_shardlab.sharding.materialize import has_meta
 from lightning_shardlab.sharding.optimizer import global_grad_norm, shard_optimizer
 from lightning_shardlab.sharding.sharded_model import ShardedModel
+from lightning_shardlab.trainer.averaging_subclasses import SHARDED, shard_weight_averaging
+from lightning_shardlab.trainer.checkpoint_io import settle_state_dict_type
+from lightning_shardlab.trainer.compiled import accept_compiled_modules
 from lightning_shardlab.trainer.ema import ShardLabEMA
 from lightning_shardlab.trainer.lightning_callbacks import gather_for_weight_readers, restore_param_groups
+from lightning_shardlab.trainer.loop_collectives import verify_sigterm_broadcast
 from lightning_shardlab.trainer.precision import ShardLabPrecision, shardlab_precision
-from lightning_shardlab.trainer.swa import ShardLabSWA, shard_weight_averaging
 
 
-def refuse_unsharded_callbacks(callbacks: list[Any]) -> None:
-    """Lightning's ``StochasticWeightAveraging`` becomes ``ShardLabSWA`` (trainer/swa.py); its other weight averaging
-    deep-copies the whole module on every rank and reads its weights, which at stage 3 are spread over the ranks:
-    refused, on every rank, naming the sharded replacement. One average per model (ShardLabEMA or SWA)."""
-    shard_weight_averaging(callbacks)
-    for callback in callbacks:
-        if isinstance(callback, (WeightAveraging, StochasticWeightAveraging)) and not isinstance(callback, ShardLabSWA):
-            raise ValueError(
-                f"{type(callback).__name__} keeps an unsharded copy of the whole model on every rank, which the"
-                " shardlab strategy does not support (at stage 3 each rank holds a slice of the weights between steps)."
-                " HINT: use lightning_shardlab.ShardLabEMA(decay=...), which keeps each rank's share of the average"
-                " and gives EMAWeightAveraging's numbers, or Lightning's StochasticWeightAveraging itself (not a"
-                " subclass: shardlab runs it as ShardLabSWA, sharded)."
-            )
-    averaging = [type(c).__name__ for c in callbacks if isinstance(c, (ShardLabEMA, ShardLabSWA))]
+def refuse_unsharded_callbacks(callbacks: list[Any], rank: int | None = None) -> None:
+    """Lightning's weight averaging (``WeightAveraging``, ``EMAWeightAveraging``, ``StochasticWeightAveraging``) and
+    users' subclasses of it run with the average sharded (trainer/averaging_subclasses.py); a subclass whose own code
+    reads the whole averaged module is refused, on every rank, naming its method. One average per model."""
+    shard_weight_averaging(callbacks, rank)
+    averaging = [type(c).__name__ for c in callbacks if isinstance(c, (ShardLabEMA, *SHARDED))]
     if len(averaging) > 1:
         raise ValueError(
-            f"callbacks {averaging} each keep an average of the weights; the shardlab strategy keeps one per model."
-            " HINT: use one of them."
+            f"{'' if rank is None else f'[rank {rank}] '}callbacks {averaging} each keep an average of the weights;"
+            " the shardlab strategy keeps one per model. HINT: use one of them."
         )
 
 
@@ -91,6 +84,7 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
         **options: Any,
     ) -> None:
         self.config, self.sanity_config = options_to_configs(options, "ShardLabStrategy")
+        self._format_asked = "state_dict_type" in options  # else a user's CheckpointIO plugin decides it
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.comm: Comm | None = None
         self.sharded: ShardedModel | None = None
@@ -122,7 +116,9 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            refuse_unsharded_callbacks(self.lightning_module.trainer.callbacks)  # before any collective
+            rank = self.node_rank * self.num_processes + self.local_rank  # as set_world_ranks will set it
+            refuse_unsharded_callbacks(self.lightning_module.trainer.callbacks, rank)  # before any collective
+        self.config = settle_state_dict_type(self.config, self._checkpoint_io, self._format_asked)
         super().setup_environment()
         self.set_world_ranks()
         self.comm = self.open_process_group()
@@ -167,6 +163,8 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
             self.sharded.verify_collectives()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self.sharded.reads.open()  # hooks read gradients and stage-3 weights from the shards until fit ends
+            verify_sigterm_broadcast(trainer, self.sharded.comm)  # a read on some ranks only meets it
         self.setup_precision_plugin()
         plugin.sharded = self.sharded
         if (
@@ -352,6 +350,8 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         self.wait_for_checkpoint()
+        if self.sharded is not None:  # after every hook of training: a read some ranks made alone meets this call
+            self.sharded.reads.close(last_call=True)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -362,6 +362,8 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self.sharded is not None:
+            self.sharded.reads.close(last_call=False)
         if self._saver is not None:  # no collective now: the save in flight is left incomplete, the last stays
             self._saver.abandon()
 
@@ -434,3 +436,6 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
         # collected now, so that its memory goes with it rather than at some collection in the middle of the next
         # fit (the guard's store connections go back to their pool when its checks close: guard/side_channel.py)
         gc.collect()
+
+
+accept_compiled_modules(ShardLabStrategy)  # trainer.fit(torch.compile(model)) (trainer/compiled.py)

@@ -16,7 +16,9 @@ in checkpoints). Only the three places that touch the whole model are changed:
 
 The average travels in checkpoints with the weights (sharded, full and consolidated), is resharded at load to
 any world size and stage, and ``trainer.strategy.full_state_dict(ema=True)`` returns it. The strategy turns a
-``StochasticWeightAveraging`` it is given into this class, in place (the user's object, its arguments kept).
+``StochasticWeightAveraging`` it is given into this class, in place (the user's object, its arguments kept), and a
+user's subclass into that subclass over this one (trainer/averaging_subclasses.py): its own methods run, and their
+``super()`` calls reach these.
 """
 
 from __future__ import annotations
@@ -30,11 +32,19 @@ from torch import Tensor
 from lightning_shardlab.sharding.averages import Averages
 from lightning_shardlab.sharding.lookup import sharded_model_of
 from lightning_shardlab.sharding.sharded_model import ShardedModel
+from lightning_shardlab.trainer.average_readers import StandIn
+
+# what a subclass may ask of ``_average_model`` and get what it gets under DDP (trainer/average_readers.py); its
+# ``state_dict`` is Lightning's own business (the average's values travel with the weights, not in it)
+STAND_IN_API = frozenset({"to"})
+# the methods SWA hands the average, and where (after ``self``)
+AVERAGE_ARGUMENTS = {"update_parameters": 0, "transfer_weights": 0}
 
 
-class AverageInShards:
+class AverageInShards(StandIn):
     """What Lightning's callback holds as ``_average_model``: it moves it and asks its state; the average itself
-    is the sharded model's ``Averages``, and its state travels with the weights in checkpoints."""
+    is the sharded model's ``Averages``, and its state travels with the weights in checkpoints. Anything else is a
+    read of the whole averaged module, refused by ``StandIn``."""
 
     def to(self, *args: Any, **kwargs: Any) -> AverageInShards:
         return self
@@ -67,11 +77,3 @@ class ShardLabSWA(StochasticWeightAveraging):
     def transfer_weights(self, src_pl_module: Any, dst_pl_module: Any) -> None:  # type: ignore[override]
         assert self.sharded is not None and self.sharded.averages is not None
         self.sharded.averages.apply(self.sharded, buffers=False)
-
-
-def shard_weight_averaging(callbacks: list[Any]) -> None:
-    """Lightning's own ``StochasticWeightAveraging`` objects become ``ShardLabSWA`` in place (arguments and
-    identity kept); a subclass of it, whose methods may read the whole model, is left to the caller to refuse."""
-    for callback in callbacks:
-        if type(callback) is StochasticWeightAveraging:
-            callback.__class__ = ShardLabSWA

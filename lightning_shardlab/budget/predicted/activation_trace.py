@@ -49,7 +49,8 @@ from lightning_shardlab.sharding.policy import UnitChoice, choose_units
 MakeInputs = Callable[[nn.Module, int, int], Any]  # (model, micro-batch size, sequence length) -> a batch
 Step = Callable[[nn.Module, Any], Tensor]  # (model, batch) -> the loss
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-LOW = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16}
+CONVERTED = {"bf16-true": torch.bfloat16, "64-true": torch.float64}  # the module converted, and the default dtype
+LOW = {**AUTOCAST, **CONVERTED}  # the floating parameters' dtype as computed
 
 
 @dataclass
@@ -161,8 +162,8 @@ def _has_training_step(model: nn.Module) -> bool:
 @contextmanager
 def fake_parameters(model: nn.Module, mode: FakeTensorMode, precision: str) -> Iterator[set[int]]:
     """Inside: ``model``'s parameters and buffers are fake tensors on the CPU (tied parameters stay tied; floating
-    ones in the compute dtype of ``precision``, buffers too under bf16-true); yields the parameters' storage keys.
-    The model's own tensors are put back on leaving."""
+    ones in the compute dtype of ``precision``, buffers too under bf16-true and 64-true); yields the parameters'
+    storage keys. The model's own tensors are put back on leaving."""
     low = LOW.get(precision)
     made: dict[int, Tensor] = {}
     saved: list[tuple[dict[str, Any], str, Any]] = []
@@ -181,7 +182,7 @@ def fake_parameters(model: nn.Module, mode: FakeTensorMode, precision: str) -> I
                     if is_param:
                         made[id(t)] = nn.Parameter(fake(t, True), requires_grad=t.requires_grad)
                     else:
-                        made[id(t)] = fake(t, precision == "bf16-true")
+                        made[id(t)] = fake(t, precision in CONVERTED)
                 saved.append((table, name, t))
                 table[name] = made[id(t)]
     try:
@@ -193,13 +194,14 @@ def fake_parameters(model: nn.Module, mode: FakeTensorMode, precision: str) -> I
 
 @contextmanager
 def computing(precision: str) -> Iterator[None]:
-    """Autocast (mixed precision) or bf16 as the default dtype (bf16-true), as common/precision.py runs forward."""
+    """Autocast (mixed precision), or the converted dtype as the default (bf16-true, 64-true), as Lightning's
+    precision plugins run forward (common/precision.py)."""
     with ExitStack() as stack:
         if precision in AUTOCAST:
             stack.enter_context(torch.autocast("cpu", dtype=AUTOCAST[precision], cache_enabled=False))
-        elif precision == "bf16-true":
+        elif precision in CONVERTED:
             before = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)
+            torch.set_default_dtype(CONVERTED[precision])
             stack.callback(torch.set_default_dtype, before)
         yield
 

@@ -6,6 +6,10 @@ Optimizer state per owned parameter of shape (..., m, n), in the master's dtype:
     Muon        the momentum buffer, whole: m n elements
     Adafactor   matrices: row and column statistics, numel / n + numel / m elements, and a float32 step;
                 vectors: a whole second moment and the step
+    any other   stepped whole because it is declared so or not known (a subclass of SGD whose ``step`` adds a
+                check): the state of the elementwise class it derives from, whole (SGD with momentum: one
+                buffer of m n elements); a class of its own, whose state nothing tells before it steps: two
+                whole moments and a step, as Adam's (the measured figure beside it says what it keeps)
 
 With several optimizers (Muon on the matrices, AdamW on the rest) every parameter's state is predicted by the
 optimizer that holds it: elementwise ones on the parameter's slice in this rank's shard, whole-tensor ones on
@@ -22,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_shardlab.sharding.optimizer import OptimizerShape, is_whole_tensor
+from lightning_shardlab.sharding.optimizer import ELEMENTWISE, OptimizerShape, is_whole_tensor
 from lightning_shardlab.sharding.owners import exchange_numel, gather_counts, return_counts
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 from lightning_shardlab.sharding.whole_step import plan_of, stepped_count
@@ -30,9 +34,15 @@ from lightning_shardlab.sharding.whole_step import plan_of, stepped_count
 STEP_BYTES = 4  # a float32 step counter (Adafactor)
 
 
-def whole_state_bytes(cls: type[Optimizer], shape: torch.Size, itemsize: int) -> int:
+ADAM_LIKE = OptimizerShape(per_element=2, scalar_bytes=STEP_BYTES)  # what a class of its own is predicted to keep
+
+
+def whole_state_bytes(
+    cls: type[Optimizer], shape: torch.Size, itemsize: int, elementwise: OptimizerShape = ADAM_LIKE
+) -> int:
     """Bytes of the state an optimizer of class ``cls`` keeps for one whole parameter of ``shape`` (see the
-    module docstring); a class of unknown shape is predicted as Adam-like (two whole moments)."""
+    module docstring); any class but Muon's and Adafactor's by ``elementwise``, the shape of its state per element
+    (``state_shape_of``)."""
     numel = shape.numel()
     if issubclass(cls, torch.optim.Muon):
         return numel * itemsize
@@ -40,7 +50,14 @@ def whole_state_bytes(cls: type[Optimizer], shape: torch.Size, itemsize: int) ->
         if len(shape) >= 2:
             return (numel // shape[-1] + numel // shape[-2]) * itemsize + STEP_BYTES
         return numel * itemsize + STEP_BYTES
-    return 2 * numel * itemsize
+    return elementwise.per_element * numel * itemsize + elementwise.scalar_bytes
+
+
+def state_shape_of(optimizer: Optimizer) -> OptimizerShape:
+    """The state per element of a whole-tensor optimizer that is neither Muon nor Adafactor: its elementwise base
+    class's, with its hyperparameters (SGD's momentum), else Adam's."""
+    known = any(issubclass(type(optimizer), base) for base in ELEMENTWISE)
+    return OptimizerShape.of(optimizer) if known else ADAM_LIKE
 
 
 def _trained(param: Tensor) -> bool:
@@ -55,9 +72,10 @@ def state_bytes_predicted(sharded: ShardedModel, optimizers: list[Optimizer]) ->
         params = [p for group in optimizer.param_groups for p in group["params"] if _trained(p)]
         if is_whole_tensor(optimizer):
             plan = plan_of(optimizer, sharded)
+            per = state_shape_of(optimizer)
             for p in params:
                 if plan.owns(p):
-                    total += whole_state_bytes(type(optimizer), p.shape, masters[id(p)][1].element_size())
+                    total += whole_state_bytes(type(optimizer), p.shape, masters[id(p)][1].element_size(), per)
             continue
         shape = OptimizerShape.of(optimizer)
         for p in params:
@@ -100,8 +118,11 @@ def whole_tensor_report(sharded: ShardedModel, optimizers: list[Optimizer], glob
             for v in optimizer.state.get(p, {}).values()
             if isinstance(v, Tensor)
         )
+        per = state_shape_of(optimizer)
         predicted = sum(
-            whole_state_bytes(type(optimizer), p.shape, masters[id(p)][1].element_size()) for p in owned if _trained(p)
+            whole_state_bytes(type(optimizer), p.shape, masters[id(p)][1].element_size(), per)
+            for p in owned
+            if _trained(p)
         )
         steps = stepped_count(optimizer)
         calls, nbytes = _exchange_per_step(sharded, optimizer)

@@ -1,0 +1,256 @@
+"""A DDP user's hooks read gradients and weights: the same script under Lightning's ``ddp`` and shardlab, stages 1-3.
+
+One module records what its hooks read (sharding/shard_reads.py serves each read from the shards): the weights'
+norms in ``on_train_batch_start``, a weight's clone compared after the step and a hand EMA (``lerp_`` into a local
+copy) in ``on_train_batch_end``, a norm summed in ``on_train_epoch_end``, ``p.grad.abs().max()`` in
+``on_after_backward``, Lightning's ``grad_norm`` (every key), a NaN check, a hand ``clip_grad_norm_`` and a scaled
+gradient (``mul_``) in ``on_before_optimizer_step``; a manually optimised twin clones ``p.grad`` after
+``manual_backward``; Fabric reads ``p.grad`` after ``fabric.backward``. Every value equals DDP's (fp32 tolerances),
+and so do the final weights, which the in-place edits changed. A read one rank makes alone ends with a clear error on
+every rank, in bounded time, mid-run and at the very end of fit. Two ranks for all of it; three for stage 3 (pieces of
+uneven length, some empty, and padding).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections import defaultdict
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import grad_norm
+from torch import Tensor
+from torch.testing import assert_close
+
+from lightning_shardlab import ShardLabStrategy
+from lightning_shardlab import fabric as shardlab_fabric
+from lightning_shardlab.comm.mismatch import CollectiveMismatch
+from tests.helpers.launch import run_ranks
+from tests.helpers.reference import FP32
+from tests.models import OddNet, OrderedData, regression_dataset
+
+STEPS, BATCH = 3, 2
+QUIET = {
+    "accelerator": "cpu",
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "use_distributed_sampler": False,
+    "num_sanity_val_steps": 0,
+}
+
+
+class HookReads(L.LightningModule):
+    """Reads gradients and weights in Lightning's hooks, as a DDP user would; ``lone_read_at``: on that batch, rank
+    0 alone reads the norm of a weight (or of its gradient: ``lone_read="gradient"``), ``if self.global_rank == 0``."""
+
+    def __init__(self, manual: bool = False, lone_read_at: int | None = None, lone_read: str = "weight") -> None:
+        super().__init__()
+        self.net = OddNet()
+        self.automatic_optimization = not manual
+        self.lone_read_at, self.lone_read = lone_read_at, lone_read
+        self.rec: dict[str, list[Any]] = defaultdict(list)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            self.rec["manual_grads"].append({n: p.grad.clone() for n, p in self.net.named_parameters()})
+            self.rec["manual_clip"].append(torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05).detach())
+            optimizer.step()
+        return loss
+
+    def on_train_start(self) -> None:
+        with torch.no_grad():
+            self.ema = {n: p.detach().clone() for n, p in self.net.named_parameters()}
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.before = self.net.inp.weight.clone()
+        self.rec["weight_norms"].append(torch.stack([p.norm() for p in self.parameters()]).detach())
+
+    def on_after_backward(self) -> None:
+        self.rec["abs_max"].append(torch.stack([p.grad.abs().max() for p in self.parameters() if p.grad is not None]))
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.rec["grad_norm"].append({k: v.detach().clone() for k, v in grad_norm(self, norm_type=2).items()})
+        self.rec["finite"].append(
+            all(bool(torch.isfinite(p.grad).all()) for p in self.parameters() if p.grad is not None)
+        )
+        if self.automatic_optimization:
+            self.rec["hand_clip"].append(torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05).detach())
+            self.net.out.bias.grad.mul_(0.5)
+            self.rec["after_edits"].append(grad_norm(self, norm_type=2)["grad_2.0_norm_total"].detach().clone())
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.rec["moved"].append((self.net.inp.weight.clone() - self.before).norm().detach())
+        with torch.no_grad():
+            for n, p in self.net.named_parameters():
+                self.ema[n].lerp_(p, 0.5)
+        if batch_idx == self.lone_read_at and self.global_rank == 0:
+            (self.net.inp.weight if self.lone_read == "weight" else self.net.inp.weight.grad).norm()
+
+    def on_train_epoch_end(self) -> None:
+        if self.lone_read_at is not None and self.lone_read_at >= STEPS - 1:
+            return  # nothing the peers read after the lone read: fit's last call must meet it
+        self.rec["epoch_sum"].append(sum(p.sum() for p in self.parameters()).detach())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _fit(model: HookReads, strategy: Any, world: int, steps: int = STEPS) -> L.Trainer:
+    trainer = L.Trainer(devices=world, strategy=strategy, max_steps=steps, max_epochs=1, **QUIET)
+    trainer.fit(model, OrderedData(regression_dataset(steps * BATCH * world), BATCH))
+    return trainer
+
+
+def _records(model: HookReads, trainer: L.Trainer) -> dict[str, Any]:
+    strategy = trainer.strategy
+    state = strategy.full_state_dict() if isinstance(strategy, ShardLabStrategy) else model.state_dict()
+    return {**model.rec, "ema": model.ema, "state": {k: v.detach().cpu() for k, v in state.items()}}
+
+
+def _fabric_grads(world: int, stage: int | None) -> list[dict[str, Tensor]]:
+    """Fabric's p.grad after ``fabric.backward`` (and a hand clip), each step."""
+    strategy = "ddp" if stage is None else shardlab_fabric.ShardLabStrategy(stage=stage)
+    fabric = L.Fabric(devices=world, strategy=strategy, accelerator="cpu")
+    fabric.launch()
+    torch.manual_seed(0)
+    model = OddNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    data = regression_dataset(STEPS * BATCH * world)
+    out = []
+    for step in range(STEPS):
+        rows = [(step * world + fabric.global_rank) * BATCH + i for i in range(BATCH)]
+        x, y = data[rows]
+        fabric.backward(F.mse_loss(model(x), y))
+        grads = {n: p.grad.clone() for n, p in model.module.named_parameters()}  # DDP's wrapper adds a prefix
+        grads["clip"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).detach()
+        out.append(grads)
+        optimizer.step()
+        optimizer.zero_grad()
+    return out
+
+
+def hook_reads(stages: list[int], fabric: bool = True) -> dict[str, Any]:
+    """Every case on this rank: the DDP reference, then shardlab at ``stages``; automatic and manual; Fabric."""
+    world = int(os.environ["WORLD_SIZE"])
+    out: dict[str, Any] = {}
+    for manual in (False, True):
+        torch.manual_seed(0)
+        initial = HookReads(manual=manual)
+        for label, strategy in [("ddp", "ddp"), *((f"stage {s}", ShardLabStrategy(stage=s)) for s in stages)]:
+            model = copy.deepcopy(initial)
+            trainer = _fit(model, strategy, world)
+            out[f"{'manual' if manual else 'automatic'} {label}"] = _records(model, trainer)
+    if fabric:
+        for stage in (None, *stages):
+            out[f"fabric {'ddp' if stage is None else f'stage {stage}'}"] = _fabric_grads(world, stage)
+    return out
+
+
+def lone_reads(cases: list[dict]) -> list[dict[str, Any]]:
+    """Rank 0 alone reads a weight's norm in ``on_train_batch_end``: each case's error on this rank, and how long the
+    fit took to end."""
+    world = int(os.environ["WORLD_SIZE"])
+    out = []
+    for case in cases:
+        torch.manual_seed(0)
+        model = HookReads(lone_read_at=case["at"], lone_read=case["read"])
+        strategy = ShardLabStrategy(stage=case["stage"], sanity_every_n_steps=case.get("every", 10))
+        started = time.perf_counter()
+        try:
+            _fit(model, strategy, world)
+            error: Exception | None = None
+        except CollectiveMismatch as caught:
+            error = caught
+        out.append(
+            {
+                "error": type(error).__name__ if error else None,
+                "message": str(error) if error else "",
+                "seconds": time.perf_counter() - started,
+            }
+        )
+    return out
+
+
+def _same(got: Any, want: Any, where: str) -> None:
+    if isinstance(want, dict):
+        assert list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"
+        for key in want:
+            _same(got[key], want[key], f"{where} {key}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), f"{where}: {len(got)} != {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"{where}[{i}]")
+    elif isinstance(want, Tensor):
+        assert type(got) is Tensor, f"{where}: a {type(got).__name__}, not a plain tensor"
+        assert_close(got, want, **FP32, msg=lambda m: f"{where}\n{m}")
+    else:
+        assert got == want, f"{where}: {got} != {want}"
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return run_ranks("tests.test_hook_reads:hook_reads", 2, {"stages": [1, 2, 3]}, timeout=300)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["automatic", "manual"])
+def test_hooks_read_what_ddp_reads(two_ranks: list[dict[str, Any]], mode: str, stage: int) -> None:
+    for rank, report in enumerate(two_ranks):
+        want, got = report[f"{mode} ddp"], report[f"{mode} stage {stage}"]
+        assert set(got) == set(want), (sorted(got), sorted(want))
+        assert all("grad_2.0_norm_total" in norms and len(norms) > 2 for norms in want["grad_norm"]), want["grad_norm"]
+        for key in want:
+            if key != "state" or rank == 0:
+                _same(got[key], want[key], f"{mode}, stage {stage}, rank {rank}: {key}")
+        assert all(want["finite"]) and len(want["moved"]) == STEPS
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fabric_sees_the_gradient_after_backward(two_ranks: list[dict[str, Any]], stage: int) -> None:
+    for rank, report in enumerate(two_ranks):
+        _same(report[f"fabric stage {stage}"], report["fabric ddp"], f"Fabric, stage {stage}, rank {rank}")
+
+
+def test_three_ranks_read_uneven_pieces_at_stage_3() -> None:
+    reports = run_ranks("tests.test_hook_reads:hook_reads", 3, {"stages": [3], "fabric": False}, timeout=300)
+    for rank, report in enumerate(reports):
+        for mode in ("automatic", "manual"):
+            want, got = report[f"{mode} ddp"], report[f"{mode} stage 3"]
+            for key in want:
+                if key != "state" or rank == 0:
+                    _same(got[key], want[key], f"3 ranks, {mode}, rank {rank}: {key}")
+
+
+def test_a_read_on_one_rank_ends_the_run_on_every_rank() -> None:
+    """Mid-run (the next step's collectives meet it) and on the last batch with no sanity checks left (the
+    strategy's last call of fit meets it): the same error on every rank, naming the read, well before any timeout."""
+    cases = [
+        {"stage": 3, "at": 1, "read": "weight"},
+        {"stage": 3, "at": STEPS - 1, "read": "weight", "every": 0},
+        {"stage": 1, "at": STEPS - 1, "read": "gradient", "every": 0},
+    ]
+    reports = run_ranks("tests.test_hook_reads:lone_reads", 2, {"cases": cases}, timeout=120)
+    for case_index, case in enumerate(cases):
+        for rank, report in enumerate(r[case_index] for r in reports):
+            where = f"{case}, rank {rank}"
+            assert report["error"] == "CollectiveMismatch", (where, report)
+            message = report["message"]
+            assert message.startswith(f"[rank {rank}] collective #"), (where, message)
+            assert f"rank 0 issued 'read {case['read']} net.inp.weight (norm 2)'" in message, (where, message)
+            assert "a read on some ranks only" in message and "HINT" in message, (where, message)
+            assert report["seconds"] < 60, (where, report["seconds"])
+            if case["at"] == STEPS - 1:  # the peers were leaving fit: the strategy's last call of fit met the read
+                assert "barrier 'end of hook reads'" in message, (where, message)
