@@ -13,6 +13,7 @@ MARKERS = {
     "time_cost": ("<!-- time_cost: begin -->", "<!-- time_cost: end -->"),
     "stage_3_time": ("<!-- stage_3_time: begin -->", "<!-- stage_3_time: end -->"),
     "step_profile": ("<!-- step_profile: begin -->", "<!-- step_profile: end -->"),
+    "hook_reads": ("<!-- hook_reads: begin -->", "<!-- hook_reads: end -->"),
 }
 
 

@@ -1,4 +1,5 @@
-"""The time side of the budget, measured against predicted, on the example GPT at stages 1-3 and a 2x2 hybrid layout.
+"""The time side of the budget, measured against predicted, on the example GPT at stages 1-3 and a 2x2 hybrid layout,
+and a tiny 4-block stack whose step is mostly per-op and per-unit costs (benchmarks/time_prediction_zoo.py: more).
 
     python -m benchmarks.time_prediction                  # 3 repeats -> benchmarks/TIME_PREDICTION.md
     python -m benchmarks.time_prediction --quick          # 1 repeat, printed only
@@ -20,12 +21,20 @@ import io
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.bench import SETTINGS, _model, _tokens, machine
 from benchmarks.ranks import run_ranks, timing_trainer
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = {"stage 1": (2, 1, None), "stage 2": (2, 2, None), "stage 3": (2, 3, None), "stage 3, 2x2 hybrid": (4, 3, 2)}
+VARIANTS = {  # name -> (ranks, stage, shard group size, model)
+    "stage 1": (2, 1, None, "gpt"),
+    "stage 2": (2, 2, None, "gpt"),
+    "stage 3": (2, 3, None, "gpt"),
+    "stage 3, 2x2 hybrid": (4, 3, 2, "gpt"),
+    "tiny stack, stage 3": (2, 3, None, "stack"),
+}
+STACK = {"vocab": 64, "width": 48, "blocks": 4, "seq": 32, "batch": 4}  # a step of about 20 ms: mostly per-op costs
 READING = """Reading it. The step and its compute parts are priced from the first batch's traced work at rates measured
 on this machine, and land near the measurement at stages 1-3 and on the 2x2 layout. The ranks of one machine take
 turns to measure the compute rate (budget/callback.py), and each then gets its share of the cores
@@ -66,9 +75,52 @@ def _seconds(times: dict, key: str) -> float:
     return times["comm_exposed"] + times["waiting_for_ranks"] if key == "blocked" else times[key]
 
 
-def run_rank(stage: int, group: int | None, steps: int, out: str) -> dict:
+def tiny_stack() -> Any:
+    """The issue's model nobody tuned for: an embedding 48 wide, four small blocks (each its own unit), a linear
+    head, AdamW; ``STACK`` sizes."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.norm, self.up, self.down = (
+                nn.LayerNorm(width),
+                nn.Linear(width, 4 * width),
+                nn.Linear(4 * width, width),
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(F.gelu(self.up(self.norm(x))))
+
+    class Stack(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(STACK["vocab"], STACK["width"])
+            self.blocks = nn.ModuleList(Block(STACK["width"]) for _ in range(STACK["blocks"]))
+            self.head = nn.Linear(STACK["width"], STACK["vocab"])
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            h = self.embed(x)
+            for block in self.blocks:
+                h = block(h)
+            loss = F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return Stack(), Block
+
+
+def run_rank(stage: int, group: int | None, steps: int, out: str, model: str = "gpt") -> dict:
     import os
 
+    import torch
     from rich.console import Console
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -76,14 +128,20 @@ def run_rank(stage: int, group: int | None, steps: int, out: str) -> dict:
 
     setting = SETTINGS["default"]
     world = int(os.environ["WORLD_SIZE"])
-    tokens = _tokens(setting, steps, world)
-    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=setting["batch"])
+    if model == "stack":
+        module, block = tiny_stack()
+        n = STACK["batch"] * steps * world
+        tokens = torch.randint(0, STACK["vocab"], (n, STACK["seq"] + 1), generator=torch.Generator().manual_seed(0))
+        batch, units = STACK["batch"], {"unit_classes": [block]}
+    else:
+        module, tokens, batch, units = _model(setting), _tokens(setting, steps, world), setting["batch"], {}
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch)
     budget = ShardLabBudget(Console(file=io.StringIO()))
-    strategy = ShardLabStrategy(stage=stage, shard_group_size=group)
+    strategy = ShardLabStrategy(stage=stage, shard_group_size=group, **units)
     trainer = timing_trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, callbacks=[budget], default_root_dir=out
     )
-    trainer.fit(_model(setting), loader)
+    trainer.fit(module, loader)
     report = budget.reports[trainer.global_rank]
     return {k: report[k] for k in ("time_measured", "time_predicted", "time_by_collective")}
 
@@ -110,14 +168,20 @@ def main(argv: list[str] | None = None) -> None:
     chosen = {name: VARIANTS[name] for name in args.only or VARIANTS}
     samples: dict[str, list[dict]] = {name: [] for name in chosen}
     for repeat in range(1 if args.quick else args.repeats):
-        for name, (world, stage, group) in chosen.items():
+        for name, (world, stage, group, model) in chosen.items():
             kwargs = {"stage": stage, "group": group, "steps": args.steps, "out": f"/tmp/time_prediction/{repeat}"}
-            samples[name].append(run_ranks(run_rank, world, kwargs)[0])
+            kwargs["model"] = model
+            ranks = run_ranks(run_rank, world, kwargs)
+            samples[name].append(ranks[0])
             print(name, {k: round(v, 3) for k, v in ratios(samples[name][-1]).items()}, flush=True)
+            steps = [(r["time_measured"]["step"] * 1e3, r["time_predicted"]["step"] * 1e3) for r in ranks]
+            print("  step ms by rank, measured / predicted:", ", ".join(f"{m:.1f} / {p:.1f}" for m, p in steps))
     text = report(samples, args)
     print(text)
     if not args.quick and not args.only:
-        (HERE / "TIME_PREDICTION.md").write_text(text)
+        path = HERE / "TIME_PREDICTION.md"  # the zoo's section (time_prediction_zoo.py) is kept
+        zoo = path.read_text().partition("\n## The zoo")[2] if path.exists() else ""
+        path.write_text(text + (f"\n## The zoo{zoo}" if zoo else ""))
 
 
 def _ms(values: list[float]) -> str:

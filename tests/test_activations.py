@@ -131,6 +131,79 @@ def test_saved_activations_by_unit_are_what_autograd_keeps(tmp_path: Path) -> No
         assert (tmp_path / f"stage{stage}" / "shardlab_budget.png").stat().st_size > 0
 
 
+# ---- a training_step that does what users' steps do, on a module validated before fit ----
+
+
+class LoggingStack(Stack):
+    """``Stack`` whose ``training_step`` also logs (a tensor, a dict, a torchmetrics metric), reads its trainer, its
+    global step and its device, and turns the loss into a Python number: none of it saves a tensor for backward, so
+    what the budget predicts is still ``expected_by_unit()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics import MeanMetric
+
+        self.mean_loss = MeanMetric()
+        self.seen: list[tuple[int, int, str, float]] = []  # what each real step read
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.mean_loss.update(loss.detach())
+        self.log("train_loss", loss, prog_bar=True)
+        self.log_dict({"mean_loss": self.mean_loss, "lr": self.trainer.optimizers[0].param_groups[0]["lr"]})
+        value = loss.item()
+        if value > 1e9:  # a branch on a value: under the trace, the value is 0
+            raise RuntimeError("diverged")
+        self.seen.append((self.global_step, self.trainer.max_steps, self.device.type, value))
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
+
+
+def traced_after_validate(directory: str) -> dict[str, Any]:
+    """Stages 1-3: validate (which shards the module), then fit 3 steps with the budget; what it predicted."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(6 * BATCH, 7, generator=g), torch.randn(6 * BATCH, 1, generator=g))
+    out = {}
+    for stage in (1, 2, 3):
+        budget, model = ShardLabBudget(), LoggingStack()
+        strategy = ShardLabStrategy(stage=stage, unit_classes=[Block], sanity_every_n_steps=0)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=3, callbacks=[budget],
+            default_root_dir=f"{directory}/stage{stage}", enable_checkpointing=False, **QUIET,
+        )  # fmt: skip
+        trainer.validate(model, DataLoader(data, batch_size=BATCH), verbose=False)
+        trainer.fit(model, DataLoader(data, batch_size=BATCH))
+        report = budget.reports[trainer.global_rank]
+        out[str(stage)] = {
+            **{key: report[key] for key in ("activations_predicted", "time_predicted", "step_peak_predicted")},
+            "picture_step": (report["timeline"] or {}).get("step"),
+            "seen": model.seen,
+            "logged": float(trainer.callback_metrics["train_loss"]),
+        }
+    return out
+
+
+def test_a_step_that_logs_and_reads_its_trainer_is_traced_after_validate_at_every_stage(tmp_path: Path) -> None:
+    """The README example's situation (a module validated before fit: sharded, its engine's hooks on it) with a
+    ``training_step`` that logs and reads its trainer: its first batch traces through that ``training_step``
+    (budget/predicted/step_stand_ins.py) at stages 1-3, and every prediction is made from it."""
+    ranks = run_ranks("tests.test_activations:traced_after_validate", 2, {"directory": str(tmp_path)}, timeout=120)
+    for rank, by_stage in enumerate(ranks):
+        for stage, got in by_stage.items():
+            where = (rank, stage)
+            assert got["activations_predicted"].get("step") == "training_step", (where, got["activations_predicted"])
+            assert got["activations_predicted"]["by_unit"] == expected_by_unit(), where
+            assert "error" not in got["time_predicted"] and got["time_predicted"]["step"] > 0, (where, got)
+            assert got["step_peak_predicted"] and "error" not in got["step_peak_predicted"], (where, got)
+            # the trace ran on the budget's copy, with stand-ins: the module and its metric saw the real steps only
+            assert [s[:3] for s in got["seen"]] == [(0, 3, "cpu"), (1, 3, "cpu"), (2, 3, "cpu")], (where, got["seen"])
+            assert got["logged"] == got["seen"][-1][3], (where, got)  # what the real step logged
+            assert got["picture_step"] == 3, where  # the timeline's step: the warm-up, then the 2nd steady step
+
+
 # ---- a GPT and a Llama at stage 3: activations and the step peak, predicted against measured ----
 
 SHAPES = [(2, 16), (4, 16), (4, 32)]  # (micro-batch, sequence length): each of two values of each
@@ -241,3 +314,42 @@ def test_gpt_and_llama_activations_and_step_peak_against_the_plan(tmp_path: Path
                 planned,
                 budget,
             )
+
+
+class ValueShaped(Stack):
+    """A ``training_step`` no trace can run: the shape of ``out[out > 0]`` depends on values."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        out = self(batch[0])
+        return out[out > 0].sum()
+
+
+class ByHand(Stack):
+    """Manual optimisation: its steps would act on the real run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+@pytest.mark.quick
+def test_a_step_that_cannot_be_traced_says_why_in_words() -> None:
+    """budget/predicted/step_stand_ins.py: the JSON keeps the whole error, the table's cell says why in a few words;
+    a step that optimizes by hand is not run (its forward and a loss stand in: here they fail too, on a batch that
+    is no token batch)."""
+    from rich.console import Console
+
+    from lightning_shardlab.budget.predicted.activation_prediction import meta_clone, predict_for_batch
+    from lightning_shardlab.budget.tables import activations_table
+    from lightning_shardlab.core.config import ShardLabConfig
+
+    batch = (torch.randn(BATCH, 7), torch.randn(BATCH, 1))
+    shaped = predict_for_batch(meta_clone(ValueShaped()), batch, ShardLabConfig(), "32-true")
+    assert "DynamicOutputShapeException" in shaped["error"], shaped
+    assert shaped["why"].startswith("an op's output shape depends on values (aten.nonzero"), shaped["why"]
+    manual = predict_for_batch(meta_clone(ByHand()), batch, ShardLabConfig(), "32-true")
+    assert manual["why"] == "training_step optimizes by hand (automatic_optimization=False)", manual
+    report = {"rank": 0, "activations_measured": {}, "memory_measured": {}, "activations_predicted": shaped}
+    console = Console(record=True, width=400)
+    console.print(activations_table([report]))
+    assert "not traced: an op's output shape depends on values" in console.export_text()

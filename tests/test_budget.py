@@ -200,6 +200,25 @@ def test_plan_of_70b_on_64_ranks_is_the_seeds_arithmetic(capsys: pytest.CaptureF
     assert plan["unsharded_bytes"] == pytest.approx(1.12e12)
 
 
+@pytest.mark.parametrize(("precision", "element"), [("64-true", 8), ("32-true", 4), ("bf16-true", 2)])
+def test_plan_of_a_true_precision_counts_its_own_elements(
+    precision: str, element: int, capsys: pytest.CaptureFixture
+) -> None:
+    """A true precision keeps parameters, gradients and AdamW's two moments in its own element (budget/predicted/
+    plan.py's ``ELEMENT_BYTES``): 4 x element bytes a parameter, sharded over 8 ranks at stage 3; its all-gathers
+    and reduce-scatters move elements of that size. From a count and from a model's layout alike."""
+    plan_main(["--params", "1e9", "--world-size", "8", "--stage", "3", "--precision", precision, "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    memory = plan["memory_per_rank"]
+    assert memory["params"] == memory["grads"] == pytest.approx(element * 1e9 / 8) and memory["master"] == 0
+    assert memory["optimizer_state"] == pytest.approx(2 * element * 1e9 / 8)
+    assert plan["unsharded_bytes"] == pytest.approx(4 * element * 1e9)
+    model = ["--model", "lightning_shardlab.examples.gpt.GPT", "--init-args", '{"n_layer": 1, "n_embd": 32}']
+    plan_main([*model, "--world-size", "2", "--stage", "2", "--precision", precision, "--json"])
+    layout = json.loads(capsys.readouterr().out)
+    assert layout["unsharded_bytes"] == pytest.approx(4 * element * layout["params"], rel=1e-3)  # + AdamW's steps
+
+
 def test_plan_from_a_yaml_config(capsys: pytest.CaptureFixture) -> None:
     config = Path(__file__).parents[1] / "configs" / "gpt_pretrain_cpu.yaml"
     plan_main(["--config", str(config), "--world-size", "4", "--json"])

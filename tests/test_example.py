@@ -18,6 +18,7 @@ import sys
 import unittest.mock
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -64,6 +65,14 @@ def run_command(args: list[str], cwd: Path, timeout: float) -> str:
             pass
     assert proc.returncode == 0, f"{' '.join(args)} exited with {proc.returncode}:\n{output[-3000:]}"
     return output
+
+
+def errors_in(tree: Any, where: str = "") -> list[str]:
+    """Every non-empty ``error`` (or ``..._error``) under ``tree``, with its path."""
+    if isinstance(tree, dict):
+        found = [f"{where}/{k}: {v}" for k, v in tree.items() if k.endswith("error") and v]
+        return found + [e for k, v in tree.items() for e in errors_in(v, f"{where}/{k}")]
+    return [e for i, v in enumerate(tree) for e in errors_in(v, f"{where}[{i}]")] if isinstance(tree, list) else []
 
 
 def assert_budget_printed(output: str, stage: int) -> None:
@@ -265,6 +274,16 @@ def test_finetune_script_quick(tmp_path: Path) -> None:
     model_bytes = 4 * sum(budget["units"].values())
     assert 0 < budget["memory_measured"]["gathered_peak"] < model_bytes, (budget["memory_measured"], model_bytes)
     assert "units: the root" in finetuning and "gathers each just before it computes" in finetuning
+    # the predicted side of a module validated, generated from and loaded before fit, whose training_step logs
+    # (budget/predicted/step_stand_ins.py): every prediction made, printed beside its measurement
+    predicted = {key: value for key, value in budget.items() if "predicted" in key}
+    assert not errors_in(predicted), errors_in(predicted)
+    assert budget["activations_predicted"]["step"] == "training_step" and budget["step_peak_predicted"]["total"] > 0
+    time_table = finetuning[finetuning.index("time per optimizer step") :]
+    assert re.search(r"│\s+0 │\s+[\d.]+ \([\d.]+\) │", time_table), time_table[:1500]  # step: measured (predicted)
+    activations = finetuning[finetuning.index("activations saved for backward") :]
+    assert re.search(r"│\s+0 │\s+[\d.]+ \([\d.]+\) │", activations) and "not traced" not in activations
+    assert isinstance(budget["timeline"]["step"], int)  # the timeline picture's title names its step
     # the progress bar shows a real total of epochs (max_epochs from max_steps), never "Epoch 3/-2"
     epochs = re.findall(r"Epoch (\d+)/(-?\d+)", output)
     assert epochs and all(int(total) >= int(current) >= 0 for current, total in epochs), sorted(set(epochs))

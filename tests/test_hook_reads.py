@@ -27,12 +27,12 @@ from lightning.pytorch.utilities import grad_norm
 from torch import Tensor
 from torch.testing import assert_close
 
-from lightning_shardlab import ShardLabStrategy
+from lightning_shardlab import ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
 from lightning_shardlab import fabric as shardlab_fabric
 from lightning_shardlab.comm.mismatch import CollectiveMismatch
 from tests.helpers.launch import run_ranks
-from tests.helpers.reference import FP32
-from tests.models import OddNet, OrderedData, regression_dataset
+from tests.helpers.reference import FP32, init_from_env
+from tests.models import OddNet, OrderedData, regression_batches, regression_dataset
 
 STEPS, BATCH = 3, 2
 QUIET = {
@@ -184,6 +184,69 @@ def lone_reads(cases: list[dict]) -> list[dict[str, Any]]:
     return out
 
 
+def engine_edits(stage: int) -> dict[str, Any]:
+    """A plain loop on the engine beside an unsharded reference on the global batch: what a user does to ``.grad``
+    and (stage 3) to a weight at rest reaches the shards; outside the read window a read is refused."""
+    comm = init_from_env()
+    torch.manual_seed(0)
+    model, reference = OddNet(), OddNet()
+    reference.load_state_dict(model.state_dict())
+    sharded = shard_model(model, ShardLabConfig(stage=stage), comm)
+    sharded.reads.open()
+    optimizer, ref_optimizer = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), 0.1)
+    shard_optimizer(optimizer, sharded)
+    ((x, y),) = regression_batches(1, 2 * comm.world_size)
+    mine = slice(2 * comm.rank, 2 * comm.rank + 2)
+
+    def backward() -> None:
+        loss = F.mse_loss(model(x[mine]), y[mine])
+        sharded.prepare_backward(loss)
+        loss.backward()
+        F.mse_loss(reference(x), y).backward()
+
+    out: dict[str, Any] = {}
+    backward()
+    model.zero_grad()  # set to None: the optimizer must skip every parameter, as DDP's does
+    reference.zero_grad()
+    out["grad_none"] = all(p.grad is None for p in model.parameters())
+    optimizer.step()
+    ref_optimizer.step()
+    out["unchanged"] = [(p.clone(), q.detach().clone()) for p, q in zip(model.parameters(), reference.parameters())]
+    backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        p.grad = p.grad * 0.5  # a new .grad: its values are kept, and the next backward adds to them
+        q.grad = q.grad * 0.5
+    backward()
+    out["accumulated"] = [(p.grad.clone(), q.grad.clone()) for p, q in zip(model.parameters(), reference.parameters())]
+    optimizer.zero_grad(set_to_none=False)
+    ref_optimizer.zero_grad(set_to_none=False)
+    out["zeroed"] = [float(p.grad.abs().max()) for p in model.parameters()]
+    backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        for g in (p.grad, q.grad):
+            g[0] = 0.25  # through the whole value, back to the shard
+            g.clamp_(-0.2, 0.2)
+    with torch.no_grad():
+        model.blocks[0].l1.weight.mul_(0.5)  # at stage 3 a weight at rest: its master and compute shards
+        reference.blocks[0].l1.weight.mul_(0.5)
+    optimizer.step()
+    ref_optimizer.step()
+    out["stepped"] = [(p.clone(), q.detach().clone()) for p, q in zip(model.parameters(), reference.parameters())]
+    with torch.no_grad():  # (without gradients every unit is let go after its forward: at rest again at stage 3)
+        out["next_loss"] = (F.mse_loss(model(x), y), F.mse_loss(reference(x), y))
+    held = model.inp.weight.grad
+    sharded.reads.close(last_call=True)
+    out["grad_after"] = [p.grad for p in model.parameters()]  # None: nothing may read them without the peers
+    out["refused"] = []
+    for read in (held.norm, model.inp.weight.norm):
+        try:
+            read()
+            out["refused"].append("")
+        except RuntimeError as error:
+            out["refused"].append(str(error))
+    return out
+
+
 def _same(got: Any, want: Any, where: str) -> None:
     if isinstance(want, dict):
         assert list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"
@@ -232,6 +295,28 @@ def test_three_ranks_read_uneven_pieces_at_stage_3() -> None:
             for key in want:
                 if key != "state" or rank == 0:
                     _same(got[key], want[key], f"3 ranks, {mode}, rank {rank}: {key}")
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_what_a_user_does_to_grad_and_weights_reaches_the_shards(stage: int) -> None:
+    """``module.zero_grad()`` (set to None), ``p.grad = p.grad * 0.5`` then another backward, ``zero_grad(set_to_none=
+    False)``, ``g[0] = v`` and ``clamp_`` on gradients, ``mul_`` on a weight: as on the unsharded reference."""
+    for rank, out in enumerate(run_ranks("tests.test_hook_reads:engine_edits", 2, {"stage": stage}, timeout=60)):
+        where = f"stage {stage}, rank {rank}"
+        assert out["grad_none"], where
+        for key in ("unchanged", "accumulated", "stepped"):
+            for i, (got, want) in enumerate(out[key]):
+                assert_close(got, want, **FP32, msg=lambda m, k=key, i=i: f"{where}: {k}[{i}]\n{m}")
+        assert out["zeroed"] == [0.0] * len(out["zeroed"]), where
+        assert_close(*out["next_loss"], **FP32)
+        assert out["grad_after"] == [None] * len(out["grad_after"]), where
+        held, weight = out["refused"]
+        assert held.startswith(f"[rank {rank}] the gradient of 'inp.weight' was read (norm) outside training"), where
+        assert "HINT" in held, where
+        if stage == 3:  # a weight at rest, outside fit
+            assert weight.startswith(f"[rank {rank}] parameter 'inp.weight' was read (norm)") and "HINT" in weight
+        else:  # stages 1-2: the module's own tensor
+            assert weight == "", where
 
 
 def test_a_read_on_one_rank_ends_the_run_on_every_rank() -> None:

@@ -3,6 +3,7 @@ processes, no clocks. Rates and links are given here, so no figure depends on th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from types import SimpleNamespace
@@ -12,9 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_shardlab.budget.predicted.compute_rate import ComputeRate
+from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, EngineCost
 from lightning_shardlab.budget.predicted.compute_trace import (
     ComputeTrace,
+    UnitWork,
+    Work,
     trace_compute,
     trace_plan_compute,
     unit_flops_for_batch,
@@ -246,7 +249,8 @@ def test_a_runs_time_is_its_layouts_played_on_its_schedule() -> None:
     flops_only = time_predicted_for_run(sharded, _trace(False).flops(), 1, "32-true", link=link, rate=RATE)
     assert flops_only["forward"] < run["forward"]  # FLOPs alone: no memory-bound ops, no kernels
     missing = time_predicted_for_run(sharded, None, 1, "32-true", link=link, rate=RATE)
-    assert set(missing) == {"error"} and "[rank 0]" in missing["error"] and "HINT" in missing["error"]
+    assert set(missing) == {"error", "why"} and "[rank 0]" in missing["error"] and "HINT" in missing["error"]
+    assert missing["why"] == "no batch was traced"
 
 
 def test_a_slower_link_makes_the_cheapest_change_appear() -> None:
@@ -343,26 +347,61 @@ def test_the_link_is_the_slope_and_intercept_of_two_batch_sizes() -> None:
 
 def test_the_ranks_of_one_machine_take_turns_to_measure_the_rate_and_share_it_once(monkeypatch) -> None:
     """budget/callback.py: 3 ranks on host "a" and 1 on "b": 3 turns (barriers) on every rank; each measures in
-    its own turn (b's rank in the first), then takes its machine's share of the cores."""
+    its own turn (b's rank in the first); the ranks of a machine then take the median of its probes (the same rate
+    for the same work), and its share of the cores."""
     from lightning_shardlab.budget import callback
     from lightning_shardlab.budget.callback import ShardLabBudget
 
     hosts, turns = ["a", "a", "b", "a"], []
+    probes = [
+        dataclasses.replace(RATE, flops_per_second=f, seconds_per_op=s) for f, s in ((3, 1), (1, 5), (7, 7), (2, 2))
+    ]
     monkeypatch.setattr(callback.collectives, "barrier", lambda comm, label="": turns.append(("barrier", label)))
-    monkeypatch.setattr(callback, "run_rate", lambda sharded, work: turns.append(("probe", sharded.host)) or RATE)
+    monkeypatch.setattr(callback.collectives, "all_gather_object", lambda rate, comm, label="", kind="": probes)
     shared = []
     monkeypatch.setattr(callback, "sharing_cores", lambda rate, here: shared.append(here) or rate)
     for rank, host in enumerate(hosts):
         monkeypatch.setattr(callback.socket, "gethostname", lambda host=host: host)
+        monkeypatch.setattr(callback, "run_rate", lambda sharded, work, r=rank: turns.append(("probe", r)) or probes[r])
         turns.clear()
         budget = ShardLabBudget()
         budget.predicted_work = SimpleNamespace(error=None)
-        run = SimpleNamespace(
-            sharded=SimpleNamespace(host=host, mesh=SimpleNamespace(world=SimpleNamespace(rank=rank)))
-        )
-        assert budget._rate_in_turns(run, hosts) is RATE
+        run = SimpleNamespace(sharded=SimpleNamespace(mesh=SimpleNamespace(world=SimpleNamespace(rank=rank))))
+        rate = budget._rate_in_turns(run, hosts)
+        # host a: the median of ranks 0, 1 and 3's probes, figure by figure; host b: its one probe
+        assert (rate.flops_per_second, rate.seconds_per_op) == ((2, 2) if host == "a" else (7, 7)), (rank, rate)
         mine = {0: 0, 1: 1, 2: 0, 3: 2}[rank]
         expected = [("barrier", f"rate probe {t}") for t in range(3)]
-        expected.insert(mine, ("probe", host))
+        expected.insert(mine, ("probe", rank))
         assert turns == expected, (rank, turns)
     assert shared == [3, 3, 1, 3]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_per_op_and_per_unit_costs_by_hand(micro_batches: int) -> None:
+    """The time model on given rates (budget/predicted/compute_rate.py, engine_cost.py): a unit's forward is its
+    FLOPs / FLOP/s + bytes / bandwidth + kernels x the cost of a kernel in a step + the engine's work per unit; its
+    backward twice the work, + the engine's backward work per unit; the optimizer's kernels at the cost of a bare
+    kernel; the data as given. No collective (the units have no flat parameters)."""
+    rate = ComputeRate(
+        "by hand", flops_per_second=1e9, bytes_per_second=1e8, seconds_per_op=1e-5, device="cpu",
+        seconds_per_bare_op=2e-6, engine=EngineCost(1e-4, 3e-4, 5e-5, 7e-5),
+    )  # fmt: skip
+    work = {"root": Work(flops=2e6, bytes=1e5, ops=10), "a": Work(flops=4e6, bytes=0.0, ops=20)}
+    compute = ComputeTrace({name: UnitWork(w) for name, w in work.items()})
+    link = INTERCONNECTS["nvlink"]
+    out = predict_step_time(
+        {"root": [], "a": []}, compute, rate, ShardLabConfig(stage=3), PrecisionPolicy(), Links(link, link),
+        micro_batches=micro_batches, optimizer=Work(bytes=1e5, ops=50), data_seconds=0.004,
+    )  # fmt: skip
+    # the root: a unit's engine work + the step's (holding the root, the end of backward)
+    forward = {"root": 0.002 + 0.001 + 10e-5 + 1e-4 + 5e-5, "a": 0.004 + 0.0 + 20e-5 + 1e-4}
+    backward = {"root": 2 * (0.002 + 0.001 + 10e-5) + 3e-4 + 7e-5, "a": 2 * (0.004 + 20e-5) + 3e-4}
+    for name in work:
+        assert out["by_unit"][name]["forward"] == pytest.approx(micro_batches * forward[name]), name
+        assert out["by_unit"][name]["backward"] == pytest.approx(micro_batches * backward[name]), name
+    assert out["optimizer"] == pytest.approx(1e5 / 1e8 + 50 * 2e-6) and out["data"] == 0.004
+    assert out["comm_exposed"] == 0.0 and out["step"] == pytest.approx(
+        micro_batches * (sum(forward.values()) + sum(backward.values())) + 0.0011 + 0.004
+    )

@@ -112,3 +112,16 @@ def test_the_png_is_drawn_for_every_rank_with_a_timeline(tmp_path: Path) -> None
         assert path == tmp_path / f"{world}.png"
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert write_timeline_png(_reports(2), tmp_path) == tmp_path / "shardlab_timeline.png"  # a folder: the default name
+
+
+@pytest.mark.quick
+def test_the_title_names_the_optimizer_step_drawn() -> None:
+    """The step's number comes with the timeline (budget/measured/step_time.py numbers it from the warm-up); one that
+    has none says so in words, never "step ?"."""
+    from lightning_shardlab.budget.timeline_picture import _title
+
+    reports = _reports(2)
+    title = _title([(r["rank"], r["timeline"]) for r in reports])
+    assert title.startswith("one steady step (optimizer step 7): rank 0 ") and "rank 1 " in title, title
+    unnumbered = [(0, {k: v for k, v in _timeline(0).items() if k != "step"})]
+    assert _title(unnumbered).startswith("one steady step: rank 0 "), _title(unnumbered)

@@ -37,7 +37,7 @@ from lightning_shardlab.budget.measured.step_peak import StepPeak
 from lightning_shardlab.budget.measured.step_time import TimeMeter, align_timelines
 from lightning_shardlab.budget.measured.tiers import tier_counters
 from lightning_shardlab.budget.predicted.activation_prediction import meta_clone, predict_for_batch
-from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, link_share, sharing_cores
+from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, link_share, median_rate, sharing_cores
 from lightning_shardlab.budget.predicted.compute_trace import unit_flops_for_batch
 from lightning_shardlab.budget.predicted.optimizer_peak import optimizer_step_bytes
 from lightning_shardlab.budget.predicted.run_time import run_rate, time_predicted_for_run
@@ -47,6 +47,7 @@ from lightning_shardlab.budget.tables import print_budget
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.sharding.lookup import sharded_model_of
 
+DATA_AS_MEASURED = "as measured (the run's own data loading: not predicted)"
 STEP_KEYS = (*MEMORY_CATEGORIES, "gathered_peak", "comm_bytes", "comm_seconds", "step_seconds")
 
 
@@ -276,7 +277,7 @@ class ShardLabBudget(L.Callback):
         self.storage_io = [0.0, 0.0, 0.0]
         self._first_step = run.step
         if self.time is not None:
-            self.time.reset()
+            self.time.reset(run.step)
 
     def _log(self, run: Run) -> None:
         """One small all-gather: every rank's figures, logged by rank 0 as shardlab/rank{r}/..."""
@@ -292,6 +293,19 @@ class ShardLabBudget(L.Callback):
         run.logger.log_metrics(metrics, step=run.step)
 
     # ---- when fit ends ----
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a trainer sent to ranks started by spawn): the console stays here (it holds a lock; each rank
+        prints through a new one), and the tallies travel as plain dicts (their defaults are lambdas)."""
+        plain = {"totals": {k: dict(v) for k, v in self.totals.items()}, "validation": dict(self.validation)}
+        return {**self.__dict__, "console": None, **plain}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.console = Console()
+        totals, validation = state["totals"], state["validation"]
+        self.totals = defaultdict(lambda: defaultdict(float), {k: defaultdict(float, v) for k, v in totals.items()})
+        self.validation = defaultdict(lambda: [0, 0, 0.0], validation)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         run = Run.of_trainer(trainer)
@@ -341,12 +355,13 @@ class ShardLabBudget(L.Callback):
             report.update(self.time.report())
             self.time.stop()
             self.time = None
-            report["time_predicted"] = self._time_predicted(run)
+            report["time_predicted"] = self._time_predicted(run, report["time_measured"].get("data", 0.0))
         return report
 
-    def _time_predicted(self, run: Run) -> dict[str, Any]:
+    def _time_predicted(self, run: Run, data_seconds: float) -> dict[str, Any]:
         """Collective (the links timed): the step played on the engine's schedule (budget/predicted/step_time.py)
-        from the first batch's work, on the run's own links measured now with its own collectives."""
+        from the first batch's work, on the run's own links measured now with its own collectives. The user's data
+        loading (``data_seconds``) is not the engine's to predict: it enters as measured, and says so."""
         if self.predicted_work is None:
             return {"error": "no batch was traced (a Fabric loop, or a model built in configure_model)"}
         mesh, here = run.sharded.mesh, socket.gethostname()
@@ -354,11 +369,14 @@ class ShardLabBudget(L.Callback):
         link = measure_run_link(mesh.shard) if mesh.shard.world_size > 1 else None
         inter = measure_run_link(mesh.replica) if mesh.replica.world_size > 1 else None
         rate = self._rate_in_turns(run, hosts)
-        return time_predicted_for_run(
+        out = time_predicted_for_run(
             run.sharded, self.predicted_work, run.micro_batches, run.precision,
             link=link, inter=inter or link, optimizers=run.optimizers, ranks_here=hosts.count(here), rate=rate,
-            link_share=link_share(run.sharded.comm.device.type, hosts.count(here)),
+            link_share=link_share(run.sharded.comm.device.type, hosts.count(here)), data_seconds=data_seconds,
         )  # fmt: skip
+        if "basis" in out:
+            out["basis"]["data"] = DATA_AS_MEASURED
+        return out
 
     def _rate_in_turns(self, run: Run, hosts: list[str]) -> ComputeRate | None:
         """Collective (barriers): the compute rate measured by each rank while the other ranks of its machine wait
@@ -370,4 +388,7 @@ class ShardLabBudget(L.Callback):
             if turn == mine and not self.predicted_work.error:
                 rate = run_rate(run.sharded, self.predicted_work)
             collectives.barrier(run.sharded.mesh.world, label=f"rate probe {turn}")
+        if turns > 1:  # ranks doing the same work on one machine are predicted alike: its probes' median
+            rates = collectives.all_gather_object(rate, run.sharded.mesh.world, label="rates", kind="budget")
+            rate = median_rate([r for r, host in zip(rates, hosts) if host == here and r is not None])
         return sharing_cores(rate, hosts.count(here)) if rate is not None else None

@@ -29,6 +29,7 @@ from lightning_shardlab.budget.predicted.zero_table import (
     predict_memory,
     predict_traffic,
 )
+from lightning_shardlab.comm.packing import packing_for
 from lightning_shardlab.core.config import Accumulation
 from lightning_shardlab.sharding.lookup import sharded_model_of
 from lightning_shardlab.sharding.sharded_model import ShardedModel
@@ -100,6 +101,8 @@ def rank_report(run: Run, measured: Measured) -> dict[str, Any]:
         sharded.config.reshard_after_forward,
         replicas=mesh.replica.world_size,
         reshard_size=reshard,
+        gather_packing=packing_for(sharded.config.gather_dtype, sharded.config.quant_block_size),
+        reduce_packing=packing_for(sharded.config.reduce_dtype, sharded.config.quant_block_size),
     )
     whole = whole_tensor_report(sharded, run.optimizers, run.step)
     if whole["optimizers"]:

@@ -58,11 +58,16 @@ def time_table(everyone: list[dict[str, Any]]) -> Table:
         table.add_column(col.replace("_", " "), justify="right")
     for r in everyone:
         measured, predicted = r.get("time_measured") or {}, r.get("time_predicted") or {}
+        as_measured = {"data"} if str(predicted.get("basis", {}).get("data", "")).startswith("as measured") else set()
         cells = [
-            f"{measured.get(k, 0.0) * 1e3:.1f}" + (f" ({predicted[k] * 1e3:.1f})" if k in predicted else "")
+            f"{measured.get(k, 0.0) * 1e3:.1f}"
+            + (" (as measured)" if k in as_measured else f" ({predicted[k] * 1e3:.1f})" if k in predicted else "")
             for k in TIME_COLUMNS
         ]
         table.add_row(str(r["rank"]), *cells)
+    why = next((p.get("why") or p["error"] for r in everyone if "error" in (p := r.get("time_predicted") or {})), None)
+    if why:
+        table.caption += f"; not predicted: {why}"
     return table
 
 
@@ -244,4 +249,4 @@ def _predicted(report: dict[str, Any]) -> str:
     predicted = report.get("activations_predicted") or {}
     if "total" in predicted:
         return mib(predicted["total"])
-    return "not traced" if predicted else "-"
+    return f"not traced: {predicted.get('why') or predicted.get('error', '')}" if predicted else "-"

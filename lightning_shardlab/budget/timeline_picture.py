@@ -202,10 +202,12 @@ def _label_units(axes: Any, y: float, timeline: dict[str, Any], ms_per_char: flo
 
 
 def _title(lines: list[tuple[int, dict[str, Any]]]) -> str:
-    steps = sorted({str(t.get("step", "?")) for _, t in lines})
+    """Which optimizer step is drawn (budget/measured/step_time.py numbers it) and each rank's time in it."""
+    steps = sorted({int(t["step"]) for _, t in lines if t.get("step") is not None})
     times = [f"rank {r} {float(t.get('step_seconds', 0.0)) * 1e3:.2f} ms" for r, t in lines]
     rows = [", ".join(times[i : i + 6]) for i in range(0, len(times), 6)]
-    return f"one steady step (step {'/'.join(steps)}): " + ",\n".join(rows)
+    which = f" (optimizer step {'/'.join(map(str, steps))})" if steps else ""
+    return f"one steady step{which}: " + ",\n".join(rows)
 
 
 def _legend(axes: Any, looks: dict[str, tuple]) -> None:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from lightning_shardlab.checkpoint.atomic import CheckpointError
+from lightning_shardlab.checkpoint.dcp_describe import describe_dcp, render_dcp
+from lightning_shardlab.checkpoint.dcp_read import is_dcp, not_asked
 from lightning_shardlab.checkpoint.fabric_state import full_parts
 from lightning_shardlab.checkpoint.format import (
     COMPLETE,
@@ -213,9 +215,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("ckpt", help="a checkpoint: a sharded one (its path, or its shard directory) or a full file")
     parser.add_argument("--verify", action="store_true", help="check every file's size and sha256, as loading does")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument(
+        "--format",
+        choices=("shardlab", "dcp"),
+        default="shardlab",
+        help="dcp: CKPT is a torch Distributed Checkpoint directory (its .metadata is a pickle: read only when asked)",
+    )
     args = parser.parse_args(argv)
-    info = describe(args.ckpt, verify=args.verify)
-    print(json.dumps(info, indent=1) if args.json else render(info))
+    if args.format == "dcp":
+        info = describe_dcp(args.ckpt)
+        text = render_dcp
+    elif is_dcp(args.ckpt):  # by its file names: its pickle is not opened
+        info, text = {"path": args.ckpt, "kind": "dcp", "problems": [not_asked(args.ckpt)]}, render_dcp
+    else:
+        info, text = describe(args.ckpt, verify=args.verify), render
+    print(json.dumps(info, indent=1) if args.json else text(info))
     if info["problems"]:
         sys.exit(1)
 

@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from lightning_shardlab.checkpoint.atomic import CheckpointError, commit, delete, new_id, tmp_path
+from lightning_shardlab.checkpoint.dcp_export import export_dcp
 from lightning_shardlab.checkpoint.fabric_state import full_parts
 from lightning_shardlab.checkpoint.format import CheckpointReader, shards_of
 from lightning_shardlab.core.display import parse_size
@@ -197,7 +198,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="floating tensors in this dtype (default: as saved)")
     parser.add_argument("--max-shard-size", type=parse_size, default=5e9, help="per file: 5GB (default), 500MB, ...")
     parser.add_argument("--trust-pickle", action="store_true", help="load trainer_state.pt with weights_only=False")
+    parser.add_argument(
+        "--format",
+        choices=("safetensors", "dcp"),
+        default="safetensors",
+        help="dcp: a torch Distributed Checkpoint directory (weights, optimizer state by name; fully_shard loads it)",
+    )
     args = parser.parse_args(argv)
+    if args.format == "dcp":
+        _export_dcp(args)
+        return
     try:
         written = export(
             args.src, args.dst, args.prefix, args.dtype, args.max_shard_size, False if args.trust_pickle else None
@@ -206,6 +216,23 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"shardlab export: error: {err}")
     files = ", ".join(written["files"])
     print(f"exported {args.src} -> {args.dst}: {written['tensors']} tensors, {written['bytes']:,} bytes ({files})")
+
+
+def _export_dcp(args: argparse.Namespace) -> None:
+    if args.prefix or args.dtype:
+        sys.exit(
+            "shardlab export: error: --prefix and --dtype apply to safetensors. HINT: drop them with --format dcp."
+        )
+    try:
+        written = export_dcp(args.src, args.dst, False if args.trust_pickle else None)
+    except (CheckpointError, ValueError, OSError) as err:
+        sys.exit(f"shardlab export: error: {err}")
+    dropped = written["dropped_optimizers"]
+    note = f"; {dropped} optimizer state(s) not written: a full file does not name their parameters" if dropped else ""
+    print(
+        f"exported {args.src} -> {args.dst} (torch Distributed Checkpoint): {written['tensors']} weights,"
+        f" {written['optimizers']} optimizer state(s){note}"
+    )
 
 
 if __name__ == "__main__":

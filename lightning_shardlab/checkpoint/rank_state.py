@@ -35,6 +35,7 @@ from torch import Tensor
 KeyPath = tuple[Hashable, ...]
 ABSENT = {"shardlab_absent": True}  # the value of a per-rank top-level entry that a rank's dict does not have
 EXCLUDED = ("optimizer_states",)  # sharded exactly by the checkpoint code; never compared here
+ERROR_FEEDBACK = "shardlab_error_feedback"  # int8 reductions' residuals (checkpoint/residuals.py): reset, not resharded
 
 
 def digest(value: Any) -> str:
@@ -190,7 +191,9 @@ def restore(checkpoint: dict, saved: SavedRankStates, world_size: int, rank: int
         states = [saved.values[r][i] for r in range(saved.world_size)]
         owner, below = owners.owner(path)
         hook = getattr(owner, "reshard_rank_state", None)
-        if not owners.restores(path):
+        if path[0] == ERROR_FEEDBACK:  # laid out like the shards of the saving world: restarts at zero
+            put(checkpoint, path, None)
+        elif not owners.restores(path):
             put(checkpoint, path, states[0])
         elif callable(hook):
             put(checkpoint, path, hook(below, states, world_size, rank))

@@ -11,7 +11,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from torch.optim import Optimizer
 
-from lightning_shardlab.checkpoint import sharded_load, sharded_save
+from lightning_shardlab.checkpoint import dcp_load, dcp_read, dcp_save, residuals, sharded_load, sharded_save
 from lightning_shardlab.checkpoint.async_save import AsyncSaver
 from lightning_shardlab.checkpoint.atomic import (
     CheckpointError,
@@ -108,6 +108,10 @@ def save(
     """Collective: write Lightning's dump (from ``module_state`` / ``optimizer_state``) atomically; a full file
     is written as ``reshape`` makes it (Fabric: the user's keys)."""
     _current(sharded)
+    if sharded.config.state_dict_type == "dcp":  # int8 residuals are not kept: they restart at zero on load
+        _save_dcp(checkpoint, filepath, sharded, optimizers, storage_options, saver)
+        return
+    residuals.stow(checkpoint, sharded)
     if sharded.averages is not None:
         checkpoint[EMA_RECORD] = sharded.averages.record()
     if sharded.config.state_dict_type == "full":
@@ -120,6 +124,25 @@ def save(
             " write one file through the CheckpointIO plugin."
         )
     sharded_save.save_sharded(checkpoint, filepath, sharded, optimizers, precision, saver, reshape)
+
+
+def _save_dcp(
+    checkpoint: dict[str, Any],
+    filepath: str | Path,
+    sharded: ShardedModel,
+    optimizers: list[Optimizer],
+    storage_options: Any,
+    saver: AsyncSaver | None,
+) -> None:
+    """A torch Distributed Checkpoint directory (checkpoint/dcp_save.py), written synchronously."""
+    if storage_options is not None or _remote(filepath) or saver is not None:
+        raise TypeError(
+            f"[rank {sharded.comm.rank}] state_dict_type='dcp' writes a directory on a local or shared file system,"
+            f" synchronously; got {filepath!r} with storage_options={storage_options!r}"
+            f"{', and a background saver (async_save or AsyncCheckpointIO)' if saver is not None else ''}. HINT: use a"
+            " file system path and no CheckpointIO plugin, or state_dict_type='sharded' for background saves."
+        )
+    dcp_save.save_dcp(checkpoint, filepath, sharded, optimizers)
 
 
 def _save_full(
@@ -185,7 +208,8 @@ def _write_full(
 def load(
     filepath: str | Path, sharded: ShardedModel, owners: Owners, weights_only: bool | None, plugin: CheckpointIO
 ) -> dict[str, Any]:
-    """Collective: open either format, verify it, agree on the verdict, restore per-rank entries.
+    """Collective: open either format (or, with ``state_dict_type="dcp"``, a DCP directory), verify it, agree on
+    the verdict, restore per-rank entries.
 
     The returned dict is what Lightning restores from; for a sharded checkpoint its ``state_dict`` holds
     the replicated entries and ``SOURCE_KEY`` the reader that ``load_model`` / ``load_optimizers`` use."""
@@ -193,7 +217,12 @@ def load(
     _current(sharded)
     checkpoint, error = {}, None
     try:
-        if _remote(filepath) or (Path(filepath).is_file() and shards_of(filepath) is None):
+        if not _remote(filepath) and dcp_read.is_dcp(filepath):  # by its file names: nothing opened unless asked
+            if sharded.config.state_dict_type != "dcp":
+                raise CheckpointError(dcp_read.not_asked(filepath))
+            reader, checkpoint = dcp_load.open_checkpoint(Path(filepath), weights_only)
+            checkpoint[SOURCE_KEY] = reader
+        elif _remote(filepath) or (Path(filepath).is_file() and shards_of(filepath) is None):
             checkpoint = _load_full(filepath, plugin, weights_only)
         else:  # a model file and its shards, or a shard directory
             reader, checkpoint = sharded_load.open_verified(Path(filepath), sharded, weights_only)
@@ -239,10 +268,13 @@ def load_model(sharded: ShardedModel, checkpoint: Mapping[str, Any], strict: boo
     """Collective: this rank's shard of every parameter, and the replicated entries; and of the averages,
     while ShardLabEMA keeps them."""
     reader = checkpoint.get(SOURCE_KEY)
-    if reader is None:
+    if isinstance(reader, dcp_read.DcpReader):
+        dcp_load.load_model(sharded, reader, strict)
+    elif reader is None:
         load_full_state_dict(sharded, checkpoint["state_dict"], strict=strict)
     else:
         sharded_load.load_model(sharded, reader, checkpoint["state_dict"], strict)
+    residuals.restore(sharded, checkpoint)
     if sharded.averages is not None:
         _load_averages(sharded, checkpoint, reader)
 
@@ -282,7 +314,9 @@ def load_weights(
 
 def load_optimizers(optimizers: list[Optimizer], sharded: ShardedModel, checkpoint: Mapping[str, Any]) -> None:
     reader = checkpoint.get(SOURCE_KEY)
-    if reader is None:
+    if isinstance(reader, dcp_read.DcpReader):
+        dcp_load.load_optimizers(optimizers, sharded, reader)
+    elif reader is None:
         for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
             load_full_optimizer_state(optimizer, sharded, state)
     else:

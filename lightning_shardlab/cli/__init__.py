@@ -20,7 +20,9 @@ lightning_shardlab.cli``; the checkpoint tools' ``main`` live beside their code 
     shardlab plan --params 70e9 --world-size 64 --stage 3      # the budget before the hardware
     shardlab consolidate SRC DST                               # a sharded checkpoint -> one plain Lightning file
     shardlab export SRC DST [--prefix model.] [--dtype bf16]   # -> safetensors, Hugging Face layout
+    shardlab export SRC DST --format dcp                       # -> a torch Distributed Checkpoint directory
     shardlab inspect CKPT [--verify] [--json]                  # stage, world size, units, bytes per rank
+    shardlab inspect DCP_DIR --format dcp                      # a torch Distributed Checkpoint (unpickles it)
 """
 
 from __future__ import annotations

@@ -67,7 +67,15 @@ from rich.console import Console
 from lightning_shardlab.budget.measured.tiers import (
     LINKS,
 )
-from lightning_shardlab.budget.predicted.compute_rate import measure_rate, preset_rate
+from lightning_shardlab.budget.predicted.activation_trace import CONVERTED
+from lightning_shardlab.budget.predicted.compute_rate import (
+    ComputeRate,
+    link_share,
+    measure_rate,
+    preset_rate,
+    sharing_cores,
+)
+from lightning_shardlab.budget.predicted.engine_cost import with_engine_cost
 from lightning_shardlab.budget.predicted.fits import Setting, add_activations
 from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, plan_model, plan_params
 from lightning_shardlab.budget.predicted.plan_time import (
@@ -249,6 +257,8 @@ def plan_and_setting(args: argparse.Namespace) -> tuple[Plan, TimedSetting | Non
         )
         model, config = meta_model(class_path, init_args), _strategy_options(strategy, args)
         precision = args.precision or precision or "bf16-mixed"
+        if precision in CONVERTED:  # as Lightning's plugin converts the module: its layouts in 2- or 8-byte elements
+            model = model.to(CONVERTED[precision])
         plan = plan_model(
             model,
             config,
@@ -285,10 +295,24 @@ def make_time(args: argparse.Namespace, plan: Plan, timed: TimedSetting | None) 
     if timed is None:
         return comm_only_time(plan, *_links(args))
     if args.flops == "here":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = COMPUTE[timed.precision] or (torch.bfloat16 if timed.precision == "bf16-true" else torch.float32)
-        timed.rate = measure_rate(device, dtype, timed.compute().matmuls)
+        timed.rate, timed.link_share = rate_here(timed, _local_ranks(args, timed))
     return plan_time(timed)
+
+
+def _local_ranks(args: argparse.Namespace, timed: TimedSetting) -> int:
+    """The ranks the plan puts on this machine: all of them when every link is ``local``, else one node's."""
+    local = {args.intra or args.interconnect, args.inter or args.interconnect} == {"local"}
+    return timed.world_size if local else args.ranks_per_node or 1
+
+
+def rate_here(timed: TimedSetting, ranks_here: int) -> tuple[ComputeRate, float]:
+    """(the rate, the links' share) measured here as a run of the plan measures them for itself (budget/callback.py,
+    run_time.py): the model's matmuls, a kernel's costs and the engine's work at the plan's stage, shared by the
+    ``ranks_here`` ranks of this machine, and what their compute leaves the links."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = COMPUTE[timed.precision] or CONVERTED.get(timed.precision, torch.float32)
+    rate = with_engine_cost(measure_rate(device, dtype, timed.compute().matmuls), timed.config.stage)
+    return sharing_cores(rate, ranks_here), link_share(device.type, ranks_here)
 
 
 def main(argv: list[str] | None = None) -> None:

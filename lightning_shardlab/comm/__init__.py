@@ -2,6 +2,7 @@
 
     collectives.py      ``Comm`` (a process group with its ledger and observers) and the collectives, sync or async
     call.py             ``CollectiveCall`` (one collective as every rank must issue it) and its observers
+    packing.py          packed payloads: bf16 / fp16, int8 in blocks with one scale each (fewer bytes)
     mesh.py             the groups of hybrid sharding: world, shard group, replica group, reshard group
     host_side.py        each NCCL group's gloo twin: host facts and objects travel without touching the device
     host_reads.py       the one seam where the host reads a device value (a wait for its queue), counted

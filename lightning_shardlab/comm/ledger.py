@@ -34,6 +34,8 @@ class Ledger:
     by_call: dict[tuple[str, str, str], CollectiveTotals] = field(  # (scope, kind, label)
         default_factory=lambda: defaultdict(CollectiveTotals)
     )
+    # (kind, dtype): what travelled, by its wire dtype ("float32"; "bfloat16" or "int8" for packed calls)
+    by_dtype: dict[tuple[str, str], CollectiveTotals] = field(default_factory=lambda: defaultdict(CollectiveTotals))
 
     blocked_seconds: float = 0.0  # all seconds blocked on collectives since the ledger was made (reset keeps it)
     gathered_bytes: int = 0  # full buffers allocated right now by stage-3 unsharding
@@ -46,8 +48,9 @@ class Ledger:
     def reset_peak(self) -> None:
         self.gathered_peak = self.gathered_bytes
 
-    def record_launch(self, kind: str, label: str, nbytes: int, scope: str = "world") -> None:
+    def record_launch(self, kind: str, label: str, nbytes: int, scope: str = "world", dtype: str = "") -> None:
         self.by_kind[kind].add(nbytes)
+        self.by_dtype[(kind, dtype)].add(nbytes)
         self.by_label[(kind, label)].add(nbytes)
         self.by_scope[(scope, kind)].add(nbytes)
         self.by_call[(scope, kind, label)].add(nbytes)
@@ -68,3 +71,4 @@ class Ledger:
         self.by_label.clear()
         self.by_scope.clear()
         self.by_call.clear()
+        self.by_dtype.clear()

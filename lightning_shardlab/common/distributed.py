@@ -40,6 +40,9 @@ NAMES = (
     ("shardlab_stage_2_offload", 2, "auto"),  # as Lightning's deepspeed_stage_2_offload: the tier below the device
     ("shardlab_stage_3_offload", 3, "auto"),
 )
+# ranks started from this process (core/config.py's start_method), under each name above with its prefix replaced:
+# "shardlab_spawn_stage_2", as Lightning's "ddp_spawn_find_unused_parameters_true"
+START_PREFIXES = (("shardlab", "popen"), ("shardlab_spawn", "spawn"), ("shardlab_notebook", "fork"))
 METRIC_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min", None: "mean"}
 METRIC_OPS.update({ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"})
 
@@ -161,7 +164,14 @@ class ShardLabDistributed:
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, stage, offload in NAMES:
-            where = "" if offload == "none" else ", masters and optimizer state offloaded (cpu on a GPU, disk on CPU)"
-            description = f"shardlab: ZeRO stage {stage} sharded data parallel{where}"
-            strategy_registry.register(name, cls, description=description, override=True, stage=stage, offload=offload)
+        for prefix, start_method in START_PREFIXES:
+            for name, stage, offload in NAMES:
+                where = "" if offload == "none" else ", masters and optimizer state offloaded (cpu on GPU, disk on CPU)"
+                started = "" if start_method == "popen" else f", ranks started by {start_method}"
+                description = f"shardlab: ZeRO stage {stage} sharded data parallel{where}{started}"
+                options = {"stage": stage, "offload": offload}
+                if start_method != "popen":  # the default start method is not written into the registry's entry
+                    options["start_method"] = start_method
+                strategy_registry.register(
+                    prefix + name[len("shardlab") :], cls, description=description, override=True, **options
+                )

@@ -93,6 +93,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """Whether ``optimizer``'s gradients were unscaled since the last ``update()`` (clipping does it first)."""
         return id(optimizer) in self._overflow
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (spawn) as its own class with this one put in front again where it is loaded (the class
+        ``adopt`` made is named like the user's, under which pickle finds the user's); its state follows."""
+        cls = type(self)
+        if cls is ShardedGradScaler or _CLASSES.get(cls.__bases__[-1]) is not cls:
+            return super().__reduce_ex__(protocol)
+        return _adopted_again, (cls.__bases__[-1],), self.__getstate__()
+
     def overflowed(self, optimizer: Optimizer) -> bool:
         """Whether any rank found inf or nan in ``optimizer``'s gradients (after ``unscale_``)."""
         return self._overflow.get(id(optimizer), False)  # a disabled scaler unscales nothing
@@ -111,3 +119,8 @@ def _sharded_scaler_class(cls: type[torch.amp.GradScaler]) -> type[ShardedGradSc
         names = {"__name__": cls.__name__, "__qualname__": cls.__qualname__, "__module__": cls.__module__}
         _CLASSES[cls] = type(cls.__name__, (ShardedGradScaler, cls), {**names, "__doc__": cls.__doc__})
     return _CLASSES[cls]
+
+
+def _adopted_again(cls: type[torch.amp.GradScaler]) -> ShardedGradScaler:
+    """Unpickling: an empty instance of the sharded class of ``cls``; pickle then gives it its state."""
+    return object.__new__(_sharded_scaler_class(cls))

@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shardlab.common.grad_scaler import ShardedGradScaler
-from lightning_shardlab.core.config import DTYPES, PrecisionPolicy
+from lightning_shardlab.core.config import REDUCE_DTYPES, PrecisionPolicy
 from lightning_shardlab.sharding.optimizer import clip_grad_norm_
 
 if TYPE_CHECKING:
@@ -61,6 +61,15 @@ class PrecisionRecipe(FabricPrecision):
     last_grad_norm: Tensor | None = None
     _sharded: ShardedModel | None = None
     _device_type: str = "cpu"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (the trainer sent to ranks started by spawn) as Lightning's class with the recipe put in front
+        again where it is loaded: ``sharded_class`` names its class like Lightning's, under which pickle finds
+        Lightning's own class, not this one. Its state follows (pickle's third item), so cycles through it hold."""
+        cls = type(self)
+        if _SHARDED.get(cls.__bases__[::-1]) is not cls:
+            return super().__reduce_ex__(protocol)
+        return _taken_over, cls.__bases__[::-1], self.__getstate__()
 
     def take_over(self, norm_type: float) -> None:
         """Become the shardlab plugin (``convert_plugin``): the scaler, if any, reduces its overflow flag over the
@@ -104,7 +113,7 @@ class PrecisionRecipe(FabricPrecision):
         return COMPUTE.get(self.precision)
 
     def policy(self, reduce_dtype: str | None) -> PrecisionPolicy:
-        return PrecisionPolicy(self.compute_dtype, DTYPES[reduce_dtype] if reduce_dtype else None)
+        return PrecisionPolicy(self.compute_dtype, REDUCE_DTYPES[reduce_dtype] if reduce_dtype else None)
 
     # ---- gradients: global clipping, fp16 loss scaling ----
 
@@ -183,6 +192,11 @@ def sharded_class(cls: type, base: type[PrecisionRecipe]) -> type:
         names = {"__name__": cls.__name__, "__qualname__": cls.__qualname__, "__module__": cls.__module__}
         _SHARDED[key] = type(cls.__name__, (base, cls), {**names, "__doc__": cls.__doc__})
     return _SHARDED[key]
+
+
+def _taken_over(cls: type, base: type[PrecisionRecipe]) -> Any:
+    """Unpickling: an empty instance of ``sharded_class(cls, base)``; pickle then gives it its state."""
+    return object.__new__(sharded_class(cls, base))
 
 
 def lightning_class(cls: type) -> type | None:

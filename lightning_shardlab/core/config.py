@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 OFFLOADS = ("none", "cpu", "disk", "auto")
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+REDUCE_DTYPES = {**DTYPES, "int8": torch.int8}  # what gradients may travel in (int8: blocks, docs/slow_links.md)
 
 
 class Stage(IntEnum):
@@ -190,8 +192,20 @@ class ShardLabConfig:
     """The norm Lightning's ``gradient_clip_val`` clips by: 2, 1, or ``inf`` (any p > 0), over all ranks' shards."""
 
     reduce_dtype: str | None = None
-    """The dtype gradients are reduce-scattered in: 'fp32', 'bf16' or 'fp16'. None: fp32 under mixed
-    precision (bf16 halves the traffic, at the cost of rounding the sum), else the parameters' dtype."""
+    """The dtype gradients travel in when reduce-scattered: 'fp32', 'bf16', 'fp16' or 'int8'. None: fp32 under
+    mixed precision, else the parameters' dtype. 'bf16' and 'fp16' halve the traffic: each rank's gradient is
+    rounded once, and the sum is taken in fp32 (it never rounds between ranks). 'int8': blocks of
+    ``quant_block_size`` elements with one scale each (a quarter of fp32's bytes), summed in fp32, with error
+    feedback: what a rank's rounding lost is added to its next gradient (kept in its checkpoints; 4 bytes per
+    element of each flat parameter). Opt-in: they trade exactness for bytes (docs/slow_links.md)."""
+
+    gather_dtype: str | None = None
+    """Stage 3: 'int8' sends the weights' all-gathers as int8 blocks of ``quant_block_size`` elements, one scale
+    each (a quarter of fp32's bytes, half of bf16's); every rank computes with the same dequantized weights, and
+    the masters and the optimizer stay exact. None: the compute dtype, exact (docs/slow_links.md)."""
+
+    quant_block_size: int = 2048
+    """Elements per scale of the int8 blocks of ``gather_dtype`` and ``reduce_dtype`` ('int8')."""
 
     transport: str = "auto"
     """How all-gathers and reduce-scatters travel on gloo: 'builtin' (torch's collectives), 'pairwise'
@@ -205,6 +219,12 @@ class ShardLabConfig:
 
     timeout_s: float = 1800.0
     """Process group timeout in seconds."""
+
+    start_method: str = "popen"
+    """How the ranks of one machine start, as Lightning's DDP takes it: 'popen' runs the script again for each rank
+    (the default); 'spawn', 'fork' or 'forkserver' start them from this process (a notebook's kernel: 'fork'), and
+    what fit leaves comes back to it: the metrics, the checkpoint callbacks' best path and score, the trainer's
+    state and the module's whole weights (docs/notebooks.md)."""
 
     elementwise_optimizers: tuple[type[torch.optim.Optimizer], ...] = ()
     """Extra optimizer classes (classes, import paths or a mix, held as classes) whose update is elementwise,
@@ -220,7 +240,9 @@ class ShardLabConfig:
     state_dict_type: str = "sharded"
     """Checkpoints: 'sharded' (a directory in which every rank writes its own slices) or 'full' (one plain
     Lightning file, gathered on rank 0, loadable without this package). Loading reads either, at any
-    world size and stage."""
+    world size and stage. 'dcp': torch Distributed Checkpoint directories, written in the layout FSDP2's
+    ``get_state_dict`` gives (``fully_shard`` and Lightning's FSDP load them); with it, loading also accepts DCP
+    directories, whose ``.metadata`` is a pickle: only then is one read (docs/checkpoints.md)."""
 
     offload: str = "none"
     """Where master shards and optimizer state live between uses: 'none' (beside the compute copy), 'cpu'
@@ -245,9 +267,18 @@ class ShardLabConfig:
         except ValueError:
             _choice("accumulation", self.accumulation, tuple(a.value for a in Accumulation))
         _choice("process_group_backend", self.process_group_backend, (None, "gloo", "nccl"))
-        _choice("state_dict_type", self.state_dict_type, ("sharded", "full"))
-        _choice("reduce_dtype", self.reduce_dtype, (None, *DTYPES))
+        _choice("state_dict_type", self.state_dict_type, ("sharded", "full", "dcp"))
+        _choice("reduce_dtype", self.reduce_dtype, (None, *REDUCE_DTYPES))
+        _choice("gather_dtype", self.gather_dtype, (None, "int8"))
+        check_int("quant_block_size", self.quant_block_size, 1)
+        if self.gather_dtype is not None and self.stage is not Stage.PARAMETERS:
+            raise ValueError(
+                f"`gather_dtype={self.gather_dtype!r}` packs the all-gathers of stage 3, where the weights are"
+                f" gathered for each use; at stage {int(self.stage)} they are resident and the gather after a step"
+                " refreshes them for good. HINT: use stage=3, or leave gather_dtype at None."
+            )
         _choice("transport", self.transport, ("auto", "builtin", "pairwise"))
+        _choice("start_method", self.start_method, START_METHODS)
         _choice("offload", self.offload, OFFLOADS)
         if self.offload_dir is not None and not isinstance(self.offload_dir, str):
             check_option("offload_dir", self.offload_dir, False, "a directory path (a string) or None")
@@ -269,6 +300,11 @@ class ShardLabConfig:
         check_positive("timeout_s", self.timeout_s, "a positive number of seconds")
         for option in ("find_unused_parameters", "broadcast_buffers", "async_save"):
             check_bool(option, getattr(self, option))
+        if self.async_save and self.state_dict_type == "dcp":
+            raise ValueError(
+                "`async_save=True` writes sharded checkpoints in the background, not state_dict_type='dcp' directories."
+                " HINT: use state_dict_type='sharded' with async_save, or async_save=False with 'dcp'."
+            )
         if self.async_save and self.state_dict_type == "full":
             raise ValueError(
                 "`async_save=True` writes sharded checkpoints in the background, not state_dict_type='full' files."

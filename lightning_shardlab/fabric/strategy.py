@@ -43,8 +43,10 @@ from lightning_shardlab.checkpoint.rank_state import Owners
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.common.distributed import ShardLabDistributed
 from lightning_shardlab.common.options import OPTIONS_DOC, options_to_configs, with_options
+from lightning_shardlab.common.process_start import refuse_in_notebook
 from lightning_shardlab.core.config import Accumulation
 from lightning_shardlab.fabric.precision import ShardLabFabricPrecision, fabric_precision
+from lightning_shardlab.fabric.spawn_launcher import ShardLabFabricSpawnLauncher
 from lightning_shardlab.sharding.build import shard_model
 from lightning_shardlab.sharding.gathered import Modules, gathered_params
 from lightning_shardlab.sharding.materialize import has_meta
@@ -57,7 +59,9 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
         """Fully sharded data parallel training (ZeRO stages 1, 2 and 3) for Fabric loops.
 
     ``L.Fabric(strategy=ShardLabStrategy(stage=2, ...))``, or by name: ``"shardlab"`` (stage 3),
-    ``"shardlab_stage_1"``, ``"shardlab_stage_2"``, ``"shardlab_stage_3"``. The same options and engine as the
+    ``"shardlab_stage_1"``, ``"shardlab_stage_2"``, ``"shardlab_stage_3"``; ``"shardlab_spawn"`` and
+    ``"shardlab_notebook"`` (and their stage suffixes) start the ranks from this process for
+    ``fabric.launch(train)`` (docs/notebooks.md). The same options and engine as the
     Trainer's ``lightning_shardlab.ShardLabStrategy``. Each module given to ``fabric.setup``/``setup_module`` is
     sharded; its optimizers step their master shards. A checkpoint holds one module (with its optimizers and
     any plain objects).
@@ -94,7 +98,10 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy, _Sharded):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
+        refuse_in_notebook(self.config.start_method, self.cluster_environment.creates_processes_externally)
+        if self.config.start_method != "popen":  # fabric.launch(fn): ranks started from this process
+            self._launcher = ShardLabFabricSpawnLauncher(self, start_method=self.config.start_method)
+        elif not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override

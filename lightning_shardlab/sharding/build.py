@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.comm.mesh import Mesh
+from lightning_shardlab.comm.packing import packing_for
 from lightning_shardlab.comm.transport_probe import PROBE_NUMEL, choose_transports
 from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding import checkpointing, hooks
@@ -152,14 +153,17 @@ def _per_node(world: Comm) -> int:
 def _new_flat_param(
     layout: FlatParamLayout, config: ShardLabConfig, comm: Comm, policy: PrecisionPolicy, params: list[nn.Parameter]
 ) -> FlatParam:
+    stage_3 = config.stage is Stage.PARAMETERS
     return FlatParam(
         layout,
         comm.rank,
         comm.device,
-        resident_full=config.stage is not Stage.PARAMETERS,
+        resident_full=not stage_3,
         compute_dtype=policy.compute_for(layout.dtype),
         reduce_dtype=policy.reduce_dtype,
         params=params,
+        gather_packing=packing_for(config.gather_dtype, config.quant_block_size) if stage_3 else None,
+        reduce_packing=packing_for(config.reduce_dtype, config.quant_block_size),
     )
 
 

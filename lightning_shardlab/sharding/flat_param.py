@@ -29,6 +29,9 @@ Every function and test in this package uses exactly these names. S = padded_num
                      kept between backward and the optimizer step.
     master grad      ``master_grad``: the grad shard in the master's dtype, made for the optimizer step only
                      (a view of the grad shard when the dtypes agree). Each master view's ``.grad`` views it.
+    residual         ``residual`` (``reduce_dtype='int8'`` only): 1-D, padded_numel, fp32: what this rank's int8
+                     packing of its flat grads lost so far, added to the next flat grad before it is packed
+                     (error feedback, comm/collectives.py ``reduce_scatter_packed``); kept in checkpoints.
 
 Why freeing storage keeps autograd valid: while gathered, the original params' data are views of ``full``.
 Autograd saves them (or views of them) for backward. ``free_storage`` shrinks the *same* storage object to 0 bytes
@@ -44,6 +47,7 @@ from functools import cached_property
 import torch
 from torch import Tensor, nn
 
+from lightning_shardlab.comm.packing import Packing
 from lightning_shardlab.sharding.placeholders import ShardedAtRest
 
 
@@ -190,6 +194,8 @@ class FlatParam:
         compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         params: list[nn.Parameter] | None = None,
+        gather_packing: Packing | None = None,
+        reduce_packing: Packing | None = None,
     ) -> None:
         self.layout = layout
         self.rank = rank
@@ -199,6 +205,15 @@ class FlatParam:
         # gradients are reduced in fp32 under mixed precision unless asked otherwise (the sum of N
         # low-precision gradients would round N times)
         self.reduce_dtype = reduce_dtype or layout.dtype
+        # opt-in packed traffic (comm/packing.py, docs/slow_links.md): stage-3 gathers of the compute shard, and
+        # reductions that travel packed and are summed in fp32 (the flat grad is laid out in fp32 for them)
+        self.gather_packing = gather_packing if self.compute_dtype.is_floating_point else None
+        self.reduce_packing = reduce_packing if layout.dtype.is_floating_point else None
+        if self.reduce_packing is not None:
+            self.reduce_dtype = torch.float32
+        # int8 reductions: what this rank's packing lost, added to its next flat grad (1-D, padded_numel, fp32;
+        # allocated by the first reduction, kept in checkpoints)
+        self.residual: Tensor | None = None
         n, s = layout.padded_numel, layout.shard_numel
         start, end = layout.shard_range(rank)
         self.full: Tensor = torch.zeros(n, dtype=self.compute_dtype, device=device)  # 1-D, padded_numel
@@ -274,6 +289,17 @@ class FlatParam:
         """Before the full buffer is freed after forward: keep slice ``place`` of ``size`` (a copy)."""
         n = self.layout.padded_numel // size
         self.group_shard = self.full[place * n : (place + 1) * n].clone()
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether this flat parameter's reductions keep what packing lost (int8 blocks) for the next one."""
+        return self.reduce_packing is not None and self.reduce_packing.blocks_scaled
+
+    def residual_buffer(self) -> Tensor:
+        """The error-feedback residual, made (zeros) on first use. 1-D, padded_numel, fp32."""
+        if self.residual is None:
+            self.residual = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.master.device)
+        return self.residual
 
     def alloc_full(self) -> None:
         alloc_storage(self.full)

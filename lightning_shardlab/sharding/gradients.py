@@ -9,8 +9,11 @@ user last cleared the gradients. The optimizer sees it through the master views'
   steps only the 2-byte grad shard stays (DeepSpeed's ledger: 2 B compute copy + 2 B gradient + 4 B
   master + 8 B moments).
 
+The user sees it through each parameter's ``.grad``: a stand-in for the whole gradient that reads and writes these
+slices (sharding/shard_reads.py, set by the sharded model right after ``show``, taken off before the next backward).
 The user clears gradients with the optimizer's (or the module's) ``zero_grad``, which the sharded optimizer
-passes on to the master views (sharding/optimizer.py): they are set to None, or zeroed.
+passes on to the master views (sharding/optimizer.py): they are set to None, or zeroed; a ``.grad`` set to None or
+replaced reaches them before the next backward or step (``ShardReads.settle``).
 Nothing here communicates.
 """
 

@@ -81,6 +81,13 @@ def install(events: Events, unit: Unit) -> list[Any]:
     return handles
 
 
+def installed_by_engine(hook: Any) -> bool:
+    """Whether ``hook`` (in a module's forward hooks or pre-hooks) is one that ``install`` put there. A copy of a
+    sharded module made to be traced (budget/predicted/activation_prediction.py's ``meta_clone``) leaves them out:
+    they drive the live ``ShardedModel``, whose gathers would run on the copy's fake tensors."""
+    return isinstance(hook, functools.partial) and hook.func in (_pre_forward, _post_forward)
+
+
 def hook_pre_backward(events: Events, unit: Unit, tensors: Any) -> None:
     """Announce ``unit``'s pre-backward when the first gradient reaches any tensor in ``tensors``."""
     leaves = [t for t in pytree.tree_leaves(tensors) if isinstance(t, Tensor) and t.requires_grad]

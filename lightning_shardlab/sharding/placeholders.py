@@ -110,7 +110,8 @@ def at_rest_error(param: ShardedAtRest, what: str) -> Exception:
     by = f" by {caller}" if caller else ""
     return RuntimeError(
         f"[rank {param._shardlab_rank}] parameter {param._shardlab_name!r} was read ({what}){by} while it is sharded"
-        " (stage 3): between steps each rank holds only a slice of it, so its values are not here. HINT: read or"
+        " (stage 3): between steps each rank holds only a slice of it, so its values are not here (a hook's read during"
+        " fit is served from the shards, as a collective every rank makes; not here). HINT: read or"
         " change it inside `with trainer.strategy.gathered_params(writeback=True):` on every rank (Fabric:"
         " `fabric.strategy.gathered_params(...)`); for the whole state dict call trainer.strategy.full_state_dict()"
         " on every rank; or train with strategy='shardlab_stage_2', where every rank keeps the whole parameters."

@@ -32,6 +32,7 @@ left. Outside the window a stand-in refuses to be read with a clear error, never
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -125,8 +126,13 @@ def serve(func: Any, args: tuple, kwargs: dict) -> Any:
         s.reads.check_open(t, s, getattr(func, "__name__", str(func)))
     self, source = (args[0], source_of(args[0])) if args else (None, None)
     if source is not None and func in SAME:
-        return self if isinstance(self, ShardRead) else _stand_in(self, source)
-    if source is not None and func in FLAT_VIEWS:  # the whole is contiguous: a reshape keeps every piece
+        if isinstance(self, ShardRead):
+            return self
+        if _making_a_parameter():  # nn.Parameter(w): a parametrization registered at rest would copy a stand-in
+            raise at_rest_error(self, "nn.Parameter")
+        return _stand_in(self, source)
+    reshaped = func in FLAT_VIEWS and not any(isinstance(a, torch.dtype) for a in args[1:])  # not view(dtype)
+    if source is not None and reshaped:  # the whole is contiguous: a reshape keeps every piece
         with torch._C.DisableTorchFunctionSubclass():
             shape = func(torch.empty(self.shape, device="meta"), *args[1:], **kwargs).shape
         return ShardRead.make(source, shape, self.dtype, self.device)
@@ -159,6 +165,18 @@ def _tensors(args: tuple, kwargs: dict) -> Iterator[Any]:
             yield from a
         else:
             yield a
+
+
+def _making_a_parameter() -> bool:
+    """Whether ``nn.Parameter(...)`` called this ``detach()`` (a few frames up: torch's dispatch, then ``serve``)."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code is nn.Parameter.__new__.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _stand_in(param: Tensor, source: Source) -> ShardRead:
@@ -479,10 +497,16 @@ class ShardReads:
 
     def close(self, last_call: bool) -> None:
         """Stop serving reads. ``last_call`` (a clean end, every rank here): first one verified collective, which a
-        read issued on some ranks only meets (and both raise), so no rank leaves a peer waiting in a read."""
+        read issued on some ranks only meets (and both raise), so no rank leaves a peer waiting in a read. The
+        gradients' stand-ins leave ``.grad`` (None after fit): whatever reads them next (``module.cpu()``, a
+        strategy the module is handed to) reads without its peers. Their values stay in the master views."""
         if last_call and self.serving:
             collectives.barrier(self.comm, label="end of hook reads")
         self.serving = False
+        for param, grad, _, _ in self.shown.values():
+            if param.grad is grad:
+                param.grad = None
+        self.shown.clear()
 
     def check_open(self, tensor: Tensor, source: Source, op: str) -> None:
         if self.serving:
@@ -499,7 +523,11 @@ class ShardReads:
     # ---- gradients (sharding/gradients.py shows them, these stand for them) ----
 
     def show_grads(self, fp: FlatParam) -> None:
-        """After ``gradients.show``: each parameter whose master view holds a gradient gets a stand-in as ``.grad``."""
+        """After ``gradients.show``: each parameter whose master view holds a gradient gets a stand-in as ``.grad``,
+        while reads are served (a loop of one's own on the engine opens them with ``sharded.reads.open()``; a module
+        handed to another strategy after fit keeps running its hooks, and keeps ``.grad`` None)."""
+        if not self.serving:
+            return
         for i, (param, master) in enumerate(zip(fp.params, fp.master_params)):
             if master.grad is None or not param.requires_grad:
                 continue

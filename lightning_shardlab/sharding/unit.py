@@ -109,12 +109,23 @@ class Unit:
                 if fp.gathers:
                     fp.alloc_full()
                     self.shard_group.ledger.track_gathered(fp.full.untyped_storage().nbytes())
-                    source, comm = (
-                        (fp.shard, self.shard_group) if fp.group_shard is None else (fp.group_shard, self.mesh.reshard)
-                    )
-                    self._gathering.append(
-                        collectives.all_gather(fp.full, source, comm, label=fp.layout.name, async_op=True)
-                    )
+                    if fp.group_shard is None:
+                        self._gathering.append(self._gather_shard(fp))
+                    else:  # the group shard holds gathered values already (unpacked, if packed): exact among k
+                        self._gathering.append(
+                            collectives.all_gather(
+                                fp.full, fp.group_shard, self.mesh.reshard, label=fp.layout.name, async_op=True
+                            )
+                        )
+
+    def _gather_shard(self, fp: FlatParam) -> Pending:
+        """Launch the all-gather of ``fp``'s compute shard into its full buffer in the shard group: packed where
+        ``gather_dtype`` asks (comm/packing.py: every rank then holds the same unpacked values), else exact."""
+        if fp.gather_packing is not None:
+            return collectives.all_gather_packed(
+                fp.full, fp.shard, self.shard_group, fp.gather_packing, label=fp.layout.name, async_op=True
+            )
+        return collectives.all_gather(fp.full, fp.shard, self.shard_group, label=fp.layout.name, async_op=True)
 
     def wait_gathers(self) -> None:
         """Wait for this unit's all-gathers in flight (a prefetch, or the refresh after an optimizer step)."""
@@ -192,7 +203,7 @@ class Unit:
         for fp in self.grad_flat_params:
             flat = gradients.flat_grad(fp)  # 1-D, padded_numel, reduce dtype
             new_shard = torch.empty(fp.layout.shard_numel, dtype=flat.dtype, device=flat.device)  # 1-D, S
-            pending = collectives.reduce_scatter(new_shard, flat, self.shard_group, label=fp.layout.name, async_op=True)
+            pending = self._reduce_flat(fp, new_shard, flat)
             self._pending.append((fp, flat, new_shard, pending))
             launched.append((fp, flat))
             for param in fp.params:
@@ -201,6 +212,16 @@ class Unit:
         if not async_op:
             self.wait_reductions()
         return launched
+
+    def _reduce_flat(self, fp: FlatParam, new_shard: Tensor, flat: Tensor) -> Pending:
+        """Launch the reduce-scatter of ``flat`` into ``new_shard`` in the shard group: packed and summed in fp32
+        where ``reduce_dtype`` asks (int8: with this flat parameter's error-feedback residual), else exact."""
+        if fp.reduce_packing is None:
+            return collectives.reduce_scatter(new_shard, flat, self.shard_group, label=fp.layout.name, async_op=True)
+        residual = fp.residual_buffer() if fp.error_feedback and self.shard_group.world_size > 1 else None
+        return collectives.reduce_scatter_packed(
+            new_shard, flat, self.shard_group, fp.reduce_packing, fp.layout.name, async_op=True, residual=residual
+        )
 
     def wait_reductions(self, finish: bool = True) -> None:
         """Wait for launched reduce-scatters and add their results into the grad shards. Hybrid: each result
@@ -239,9 +260,7 @@ class Unit:
             return
         for fp in self.flat_params:
             if fp in stepped and (fp.resident_full or fp.gathers):
-                self._gathering.append(
-                    collectives.all_gather(fp.full, fp.shard, self.shard_group, label=fp.layout.name, async_op=True)
-                )
+                self._gathering.append(self._gather_shard(fp))
 
     # ---- full copies for the user (sharding/gathered.py) ----
 

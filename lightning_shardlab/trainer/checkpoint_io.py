@@ -36,10 +36,12 @@ def settle_state_dict_type(config: ShardLabConfig, io: CheckpointIO | None, aske
         return config
     name = type(plugin).__name__
     if asked or isinstance(io, AsyncCheckpointIO):
-        why = "state_dict_type='sharded' was asked for" if asked else "AsyncCheckpointIO writes sharded checkpoints"
+        asked_for = f"state_dict_type={config.state_dict_type!r} was asked for"
+        why = asked_for if asked else "AsyncCheckpointIO writes sharded checkpoints"
+        what = "a DCP directory" if config.state_dict_type == "dcp" else "a model file and its shard directory"
         rank_zero_warn(
-            f"{name}.save_checkpoint/load_checkpoint are not called: {why}, and shardlab writes a sharded checkpoint"
-            f" (a model file and its shard directory) itself. HINT: leave state_dict_type unset (or 'full'), without"
+            f"{name}.save_checkpoint/load_checkpoint are not called: {why}, and shardlab writes that checkpoint"
+            f" ({what}) itself. HINT: leave state_dict_type unset (or 'full'), without"
             f" AsyncCheckpointIO, to have {name} write every checkpoint as one file, as under DDP."
         )
         return config

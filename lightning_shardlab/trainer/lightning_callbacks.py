@@ -1,8 +1,10 @@
 """Lightning's callbacks that touch parameters, on sharded ones: what they read at stage 3, and their resume.
 
 Reading. At stages 1-2 every rank holds the whole parameters, so these callbacks run as under DDP. At stage 3 each rank
-holds a slice between steps (reading one fails loudly: sharding/placeholders.py), so the methods below run
-inside ``gathered_params`` (every rank calls them in the same order: a callback's hooks run on every rank):
+holds a slice between steps: a read during fit is served from the shards, one collective per tensor operation
+(sharding/shard_reads.py), too many for callbacks that read and rewrite every weight; so the methods below run inside
+``gathered_params`` instead, one gather for the call (every rank calls them in the same order: a callback's hooks run
+on every rank):
 
     ModelPruning       computes each mask from whole weights (``l1_unstructured`` ranks every element; the global
                        variant every element of every pruned weight) and, made permanent, writes

@@ -30,6 +30,7 @@ from lightning_shardlab.checkpoint.rank_state import Owners
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.common.distributed import ShardLabDistributed
 from lightning_shardlab.common.options import OPTIONS_DOC, options_to_configs, with_options
+from lightning_shardlab.common.process_start import refuse_in_notebook
 from lightning_shardlab.core.config import Accumulation, Stage
 from lightning_shardlab.guard.callback import ShardLabSanity
 from lightning_shardlab.sharding.build import shard_model, sharded_model_of_module
@@ -44,6 +45,7 @@ from lightning_shardlab.trainer.ema import ShardLabEMA
 from lightning_shardlab.trainer.lightning_callbacks import gather_for_weight_readers, restore_param_groups
 from lightning_shardlab.trainer.loop_collectives import verify_sigterm_broadcast
 from lightning_shardlab.trainer.precision import ShardLabPrecision, shardlab_precision
+from lightning_shardlab.trainer.spawn_launcher import ShardLabSpawnLauncher
 
 
 def refuse_unsharded_callbacks(callbacks: list[Any], rank: int | None = None) -> None:
@@ -64,8 +66,9 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
         """Fully sharded data parallel training (ZeRO stages 1, 2 and 3) for any LightningModule.
 
     ``Trainer(strategy=ShardLabStrategy(stage=2, ...))``, or by name: ``"shardlab"`` (stage 3),
-    ``"shardlab_stage_1"``, ``"shardlab_stage_2"``, ``"shardlab_stage_3"``. Fabric's twin takes the same options
-    (``lightning_shardlab.fabric.ShardLabStrategy``).
+    ``"shardlab_stage_1"``, ``"shardlab_stage_2"``, ``"shardlab_stage_3"``; in a notebook ``"shardlab_notebook"``
+    (ranks forked from the kernel), from a script also ``"shardlab_spawn"``, each with the same stage suffixes
+    (docs/notebooks.md). Fabric's twin takes the same options (``lightning_shardlab.fabric.ShardLabStrategy``).
 
     Args:"""
         + OPTIONS_DOC
@@ -104,7 +107,10 @@ class ShardLabStrategy(ShardLabDistributed, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
+        refuse_in_notebook(self.config.start_method, self.cluster_environment.creates_processes_externally)
+        if self.config.start_method != "popen":  # as Lightning's DDP: ranks started from this process
+            self._launcher = ShardLabSpawnLauncher(self, start_method=self.config.start_method)
+        elif not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:

@@ -107,15 +107,18 @@ def run_ranks(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
     expect_failure: bool = False,
+    rank_envs: list[dict[str, str]] | None = None,
 ) -> list[Any]:
     """Run ``target`` ("module:function") as ``function(**kwargs)`` on ``world_size`` ranks.
 
     Returns each rank's return value (rank order). If a rank fails or the run passes ``timeout``
     seconds, every rank is killed and ``RankFailed`` names the rank with its log. With
     ``expect_failure=True`` all ranks run to their end and the logs come back as ``{rank: text}``.
-    Unless ``env`` or ``expect_failure`` is given, the run goes to the kept world of its size.
+    Unless ``env``, ``rank_envs`` or ``expect_failure`` is given, the run goes to the kept world of its size.
+    ``rank_envs``: variables of each rank's own, on top of ``env`` (e.g. the network namespace of its emulated
+    node, benchmarks/slow_link.py); those ranks are forked, as they are read when a run starts.
     """
-    if not (env or expect_failure) and os.environ.get("SHARDLAB_TEST_FRESH_WORLDS") != "1":
+    if not (env or expect_failure or rank_envs) and os.environ.get("SHARDLAB_TEST_FRESH_WORLDS") != "1":
         from tests.helpers.worlds import kept_world
 
         return kept_world(world_size).run(target, kwargs or {}, timeout)
@@ -123,7 +126,12 @@ def run_ranks(
     (out / "kwargs.json").write_text(json.dumps(kwargs or {}))
     port = free_port()
     procs = [
-        start_rank([target, str(out)], rank_env(rank, world_size, port, env), out / f"rank{rank}.log", forked=not env)
+        start_rank(
+            [target, str(out)],
+            rank_env(rank, world_size, port, {**(env or {}), **(rank_envs[rank] if rank_envs else {})}),
+            out / f"rank{rank}.log",
+            forked=not env,
+        )
         for rank in range(world_size)
     ]
     deadline = time.monotonic() + timeout

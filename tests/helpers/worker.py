@@ -74,6 +74,10 @@ def run_one(target: str, out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     """``argv``: ``module:function OUT_DIR`` or ``--serve DIR`` (the command line's, when None)."""
     args = sys.argv[1:] if argv is None else argv
+    if os.environ.get("SHARDLAB_NETNS"):  # a rank of an emulated node: into its namespace before any socket
+        from benchmarks.slow_link import enter_from_env
+
+        enter_from_env()
     if args[0] == "--serve":
         prepare()
         serve(Path(args[1]))

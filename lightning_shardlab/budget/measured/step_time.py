@@ -104,8 +104,10 @@ class TimeMeter:
         self.clock.stragglers = self.stragglers.named  # the guard warns of them (guard/sanity_guard.py)
         self.reset()
 
-    def reset(self) -> None:
-        """Forget the steps so far (the warm-up): what is reported starts here."""
+    def reset(self, first_step: int = 0) -> None:
+        """Forget the steps so far (the warm-up): what is reported starts here, after optimizer step ``first_step``
+        (the picture's step is numbered from it)."""
+        self.first_step = first_step
         self.clock.take()
         self._pending: list[StepTimes] = []
         self.totals: dict[str, float] = defaultdict(float)
@@ -156,6 +158,7 @@ class TimeMeter:
         self.totals["step"] += step.end - step.start
         if step.events is not None:
             self.timeline = timeline_events(step, everyone, rank, self.clock.wall_offset)
+            self.timeline["step"] = self.first_step + self.steps  # the optimizer step it was, counted from 1
 
     def report(self) -> dict[str, Any]:
         """Collective (the last exchange): this rank's seconds per step, and by unit, and the picture's step."""

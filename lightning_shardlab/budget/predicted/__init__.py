@@ -4,6 +4,7 @@ zero_table.py    the ZeRO table applied to the real layout (or a parameter count
 whole_tensor.py  whole-tensor optimizers (Muon, Adafactor): owned state and the owners' exchanges
 activation_prediction.py  activations predicted for the run: its first batch traced through a meta copy
 activation_trace.py  one micro-batch traced under fake tensors, with and without checkpointing
+step_stand_ins.py  what a traced training_step reads besides its batch (trainer, logs, metrics, .item()): stood in for
 step_timeline.py the step's live bytes moment by moment: a fake forward and backward on the engine's own schedule
 optimizer_peak.py  the optimizer step's temporaries: the run's own optimizers stepped on fakes of its masters
 step_peak.py     the step's peak predicted for the run: its layout's state + its first batch's timeline
@@ -12,6 +13,7 @@ plan_whole.py    the plan of a whole-tensor optimizer: owners' state per rank (M
 fits.py          the step's peak (state + the timeline's busiest moment): does it fit, and the cheapest change if not
 compute_trace.py one micro-batch's work by unit under fake tensors: FLOPs, memory-bound bytes, kernels; the optimizer's
 compute_rate.py  how fast a device works: given (a named device, --flops) or measured here (short probes, cached)
+engine_cost.py   the engine's own work per unit (its hooks), measured on a world of one beside the same blocks unsharded
 step_time.py     seconds per optimizer step: the engine's schedule played on one compute stream and its links
 run_time.py      the time predicted for a run: its layout, mesh and first batch (what ShardLabBudget calls)
 plan_time.py     a plan's time per step, and the cheapest change that hides its communication

@@ -8,8 +8,11 @@ so only its shapes and dtypes matter — goes through the clone's ``training_ste
 under ``FakeTensorMode``. Units and checkpointed modules come from the run's own options, so prediction and
 measurement count the same tensors the same way.
 
-A model built in ``configure_model`` has no layers yet when the clone is taken, and a manual-optimisation
-``training_step`` needs its trainer: for those the prediction says why it is missing.
+A module sharded already (validated, generated from or fitted before) is copied as its user wrote it, without the
+engine's hooks; its ``training_step`` runs with its logging, metrics and trainer stood in for
+(budget/predicted/step_stand_ins.py). A model built in ``configure_model`` has no layers yet when the clone is taken,
+and a manual-optimisation ``training_step`` is not run (``forward`` and a loss stand in): where nothing traces, the
+prediction says why, in full (``error``) and in a few words (``why``).
 """
 
 from __future__ import annotations
@@ -22,21 +25,39 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightning_shardlab.budget.predicted.activation_trace import trace_activations
+from lightning_shardlab.budget.predicted.step_stand_ins import TrainerView, in_words
 from lightning_shardlab.core.config import ShardLabConfig
+from lightning_shardlab.sharding import checkpointing
+from lightning_shardlab.sharding.hooks import installed_by_engine
 
 
 def meta_clone(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose parameters and buffers are on the meta device (nothing of their data is read or
-    copied), without the trainer or Fabric it is attached to."""
+    copied), as its user wrote it: without the engine's hooks and activation checkpointing when it was sharded
+    already (validated, generated from or fitted before), and with a read-only view of its trainer
+    (budget/predicted/step_stand_ins.py) in place of the trainer it is attached to (Fabric: none)."""
     memo: dict[int, Any] = {}
     for tensor in [*module.parameters(), *module.buffers()]:
         meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    for attached in ("_trainer", "_fabric"):
-        value = getattr(module, attached, None)
-        if value is not None:
-            memo[id(value)] = None
-    return copy.deepcopy(module, memo)
+    fabric = getattr(module, "_fabric", None)
+    if fabric is not None:
+        memo[id(fabric)] = None
+    for sub in module.modules():  # the live engine's hooks are not copied (they hold the ShardedModel): dropped below
+        for hook in [*sub._forward_pre_hooks.values(), *sub._forward_hooks.values()]:
+            if installed_by_engine(hook):
+                memo[id(hook)] = hook
+    clone = copy.deepcopy(module, memo)
+    for sub in clone.modules():
+        for table in (sub._forward_pre_hooks, sub._forward_hooks):
+            for key in [k for k, hook in table.items() if installed_by_engine(hook)]:
+                del table[key]
+    checkpointing.undo(clone, [name for name, _ in clone.named_modules()])
+    for original, copied in zip(module.modules(), clone.modules()):  # a LightningModule's copy drops its trainer
+        trainer = original.__dict__.get("_trainer")
+        if trainer is not None:
+            copied.__dict__["_trainer"] = TrainerView(trainer)
+    return clone
 
 
 def predict_for_batch(clone: nn.Module, batch: Any, config: ShardLabConfig, precision: str) -> dict[str, Any]:
@@ -58,7 +79,7 @@ def predict_for_batch(clone: nn.Module, batch: Any, config: ShardLabConfig, prec
             make_inputs=same_batch,
         )
     except (ValueError, RuntimeError, TypeError) as err:
-        return {"error": f"{type(err).__name__}: {err}"}
+        return {"error": f"{type(err).__name__}: {err}", "why": getattr(err, "why", None) or in_words(err)}
     checkpointing = bool(config.activation_checkpointing)
     by_unit = trace.checkpointed_by_unit if checkpointing else trace.by_unit
     return {

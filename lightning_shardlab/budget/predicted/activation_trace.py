@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_shardlab.budget.measured.activations import ROOT, SavedBytes, storage_key
+from lightning_shardlab.budget.predicted.step_stand_ins import in_words, standing_in
 from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.sharding.checkpointing import chosen_modules
 from lightning_shardlab.sharding.policy import UnitChoice, choose_units
@@ -51,6 +52,14 @@ Step = Callable[[nn.Module, Any], Tensor]  # (model, batch) -> the loss
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 CONVERTED = {"bf16-true": torch.bfloat16, "64-true": torch.float64}  # the module converted, and the default dtype
 LOW = {**AUTOCAST, **CONVERTED}  # the floating parameters' dtype as computed
+
+
+class Untraced(ValueError):
+    """A model none of whose steps ran under fake tensors; ``why``: the first step's failure in a few words."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
 
 
 @dataclass
@@ -126,11 +135,15 @@ def token_batch(model: nn.Module, micro_batch_size: int, seq_len: int) -> tuple[
 
 
 def lightning_step(model: nn.Module, batch: Any) -> Tensor:
-    """The LightningModule's own ``training_step(batch, 0)``: its loss (a tensor, or a dict's ``loss``)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # self.log() without a Trainer
+    """The LightningModule's own ``training_step(batch, 0)``: its loss (a tensor, or a dict's ``loss``), with what it
+    logs, its metrics and the numbers it reads from tensors stood in for (budget/predicted/step_stand_ins.py)."""
+    with warnings.catch_warnings(), standing_in(model):
+        warnings.simplefilter("ignore")  # the trainer's warnings about a module read outside its loop
         out = model.training_step(batch, 0)  # type: ignore[operator]
-    return out["loss"] if isinstance(out, Mapping) else out
+    loss = out["loss"] if isinstance(out, Mapping) else out
+    if not isinstance(loss, Tensor):
+        raise ValueError(f"training_step returned {type(out).__name__}, not a loss to trace a backward from")
+    return loss
 
 
 def forward_step(model: nn.Module, batch: Any) -> Tensor:
@@ -343,7 +356,7 @@ def _first_step_that_runs(
     why each failed when none does."""
     micro_batch_size, seq_len, precision = shape
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    errors = []
+    errors, first = [], None
     with fake_parameters(model, mode, precision) as params:
         for attempt in steps:
             ledgers = _Ledgers(model, choice, checkpointed, params)
@@ -355,10 +368,12 @@ def _first_step_that_runs(
                 return ledgers, attempt
             except Exception as err:  # noqa: BLE001 - the next way to run it, or the error below
                 errors.append(f"{getattr(attempt, '__name__', attempt)}: {type(err).__name__}: {err}")
+                first = first or err
             finally:
                 ledgers.remove()
-    raise ValueError(
+    raise Untraced(
         f"{type(model).__name__} did not run one micro-batch ({micro_batch_size} x {seq_len}) under fake"
         f" tensors: {'; '.join(errors)}. HINT: check --seq-len against the model's context; or give"
-        " trace_activations a make_inputs= and step= for this model."
+        " trace_activations a make_inputs= and step= for this model.",
+        in_words(first) if first is not None else "nothing to run",
     )

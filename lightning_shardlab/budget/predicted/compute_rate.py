@@ -15,8 +15,11 @@ datasheet (``MEMORY_BANDWIDTH``) and no per-kernel cost (a GPU queues kernels ah
   the compute dtype (rows cut down so that one call stays under ~0.4 GFLOP on a CPU, 1 TFLOP on a GPU); the
   rate is their FLOPs over their summed time (a square 512 x 512 x 512 when nothing was traced);
 - memory bandwidth: a copy of 64 MiB (1 GiB on a GPU), bytes read + written over its time;
-- per kernel: a chain of multiplications on one element, forward and backward under autograd, the fixed cost of
-  a kernel as a training step dispatches it from Python (and launches it, on a GPU).
+- per kernel: four tiny blocks (norm, linear, activation, residual add), each hooked as the engine hooks a unit, run
+  forward and backward under autograd: the fixed cost of a kernel as a training step dispatches it from Python
+  (through a module's call and its hooks; and launches it, on a GPU), priced so that the blocks' forward and backward
+  cost what they took (``seconds_per_op``); and a kernel outside modules and autograd, as an optimizer's step
+  dispatches its own (``seconds_per_bare_op``: in-place multiplications under ``no_grad``).
 
 Each probe runs a warm-up call, then repeats until ~50 ms have passed (at most 5 calls), and keeps the median.
 They are cached per process, by device, dtype, shape and thread count: a run or a plan pays them once (about
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_shardlab.budget.predicted.compute_trace import Work
+from lightning_shardlab.budget.predicted.compute_trace import Work, WorkMode
 from lightning_shardlab.budget.predicted.zero_table import DEVICES
 
 MEMORY_BANDWIDTH = {  # bytes per second of device memory, from each vendor's datasheet
@@ -51,6 +54,24 @@ BUDGET = 0.05  # seconds: each probe repeats until this much has passed
 
 
 @dataclass(frozen=True)
+class EngineCost:
+    """Seconds of the engine's own work (its hooks, budget/predicted/engine_cost.py): per unit and micro-batch, and
+    per step (holding the root for it, the end of backward), each in forward and in backward."""
+
+    unit_forward: float = 0.0
+    unit_backward: float = 0.0
+    step_forward: float = 0.0
+    step_backward: float = 0.0
+
+    def scaled(self, k: float) -> EngineCost:
+        return EngineCost(*(k * v for v in dataclasses.astuple(self)))
+
+    @staticmethod
+    def median(costs: list[EngineCost]) -> EngineCost:
+        return EngineCost(*(statistics.median(values) for values in zip(*map(dataclasses.astuple, costs))))
+
+
+@dataclass(frozen=True)
 class ComputeRate:
     """What a device sustains: FLOP/s on matmuls, bytes/s on memory-bound ops, seconds per kernel."""
 
@@ -60,10 +81,14 @@ class ComputeRate:
     seconds_per_op: float = 0.0  # seconds per kernel
     device: str = "cuda"  # the device type the rate is for
     probe_seconds: float = 0.0  # how long measuring took (0: given)
+    engine: EngineCost = EngineCost()  # the engine's own work, per unit and per step (engine_cost.py; 0: given)
+    seconds_per_bare_op: float = 0.0  # a kernel outside modules and autograd (the optimizer's); 0: seconds_per_op
 
-    def seconds(self, work: Work) -> float:
-        """Seconds for ``work``: FLOPs at the matmul rate + bytes at the memory bandwidth + each kernel's cost."""
-        return work.flops / self.flops_per_second + work.bytes / self.bytes_per_second + work.ops * self.seconds_per_op
+    def seconds(self, work: Work, bare: bool = False) -> float:
+        """Seconds for ``work``: FLOPs at the matmul rate + bytes at the memory bandwidth + each kernel's cost
+        (``bare``: kernels dispatched outside modules and autograd, as an optimizer's step runs them)."""
+        per_op = self.seconds_per_bare_op if bare and self.seconds_per_bare_op else self.seconds_per_op
+        return work.flops / self.flops_per_second + work.bytes / self.bytes_per_second + work.ops * per_op
 
 
 def preset_rate(device: str, mfu: float = 0.4, flops: float | None = None) -> ComputeRate:
@@ -118,19 +143,50 @@ def memory_bandwidth(device: str, threads: int) -> float:
     return 2.0 * PROBE_BYTES[dev.type] / _median_seconds(lambda: target.copy_(source), dev)
 
 
+class _ProbeBlock(torch.nn.Module):
+    """A block of a model as small as it gets: a norm, a linear, an activation and a residual add."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.linear = torch.nn.LayerNorm(width), torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.gelu(self.linear(self.norm(x)))
+
+
 @functools.cache
 def seconds_per_op(device: str, threads: int) -> float:
-    """Seconds of one tiny kernel on ``device`` as a training step runs it: dispatched from Python with autograd
-    recording (and launched, on a GPU), forward and backward: a chain of 50 multiplications of one element that
-    requires grad, and its backward, timed, over the 100 kernels that does."""
+    """Seconds of one kernel as a training step dispatches it (and launches it, on a GPU): through a module's call
+    with a unit's forward hooks on it, autograd recording, and its backward. Four tiny blocks (``_ProbeBlock``, each
+    hooked as the engine hooks a unit) run forward and backward, timed; the kernels of their forward are counted as a
+    trace counts them (compute_trace.py's ``WorkMode``), and the time model prices a backward as twice its forward,
+    so one kernel's cost is the whole over three times that count: forward and backward priced as they ran."""
     dev = torch.device(device)
-    x = torch.ones(1, device=dev, requires_grad=True)
+    blocks = torch.nn.Sequential(*(_ProbeBlock(8) for _ in range(4))).to(dev)
+    for block in blocks:
+        block.register_forward_pre_hook(lambda module, args: None)
+        block.register_forward_hook(lambda module, args, output: None)
+    x = torch.randn(2, 8, device=dev)
+    with WorkMode() as counted:
+        blocks(x).sum()
 
+    def step() -> None:
+        blocks(x).sum().backward()
+
+    return _median_seconds(step, dev) / (3 * counted.ops)
+
+
+@functools.cache
+def seconds_per_bare_op(device: str, threads: int) -> float:
+    """Seconds of one tiny kernel dispatched from Python outside modules and autograd, as an optimizer's step runs its
+    kernels: 100 in-place multiplications of a small tensor under ``no_grad``, over 100."""
+    dev = torch.device(device)
+    x = torch.ones(8, device=dev)
+
+    @torch.no_grad()
     def chain() -> None:
-        y = x
-        for _ in range(50):
-            y = y * 1.0
-        y.backward()
+        for _ in range(100):
+            x.mul_(1.0)
 
     return _median_seconds(chain, dev) / 100
 
@@ -145,10 +201,29 @@ def measure_rate(
     seconds = sum(flops / matmul_rate(shape, dtype, str(dev), threads) for shape, flops in heaviest)
     rate = sum(flops for _, flops in heaviest) / seconds
     bandwidth, per_op = memory_bandwidth(str(dev), threads), seconds_per_op(str(dev), threads)
+    bare = seconds_per_bare_op(str(dev), threads)
     name = (
         f"measured here: {dev.type}, {threads} thread{'s' if threads > 1 else ''}, {str(dtype).removeprefix('torch.')}"
     )
-    return ComputeRate(name, rate, bandwidth, per_op, dev.type, time.perf_counter() - began)
+    return ComputeRate(name, rate, bandwidth, per_op, dev.type, time.perf_counter() - began, seconds_per_bare_op=bare)
+
+
+def median_rate(rates: list[ComputeRate]) -> ComputeRate | None:
+    """One rate for the ranks of a machine, from each one's probe: the median of each figure (a probe that another
+    process slowed is outvoted, and ranks doing the same work get the same prediction); None for none."""
+    if not rates:
+        return None
+    if len(rates) == 1:
+        return rates[0]
+    return dataclasses.replace(
+        rates[0], name=f"{rates[0].name}, the median of {len(rates)} ranks' probes",
+        flops_per_second=statistics.median(r.flops_per_second for r in rates),
+        bytes_per_second=statistics.median(r.bytes_per_second for r in rates),
+        seconds_per_op=statistics.median(r.seconds_per_op for r in rates),
+        seconds_per_bare_op=statistics.median(r.seconds_per_bare_op for r in rates),
+        engine=EngineCost.median([r.engine for r in rates]),
+        probe_seconds=max(r.probe_seconds for r in rates),
+    )  # fmt: skip
 
 
 def _cores() -> int:
@@ -170,6 +245,7 @@ def sharing_cores(rate: ComputeRate, ranks_here: int) -> ComputeRate:
     return dataclasses.replace(
         rate, name=name, flops_per_second=rate.flops_per_second * share,
         bytes_per_second=rate.bytes_per_second * share, seconds_per_op=rate.seconds_per_op / share,
+        seconds_per_bare_op=rate.seconds_per_bare_op / share, engine=rate.engine.scaled(1 / share),
     )  # fmt: skip
 
 

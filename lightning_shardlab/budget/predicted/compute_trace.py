@@ -52,6 +52,7 @@ from lightning_shardlab.budget.predicted.activation_trace import (
     token_batch,
     unit_members,
 )
+from lightning_shardlab.budget.predicted.step_stand_ins import in_words
 from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.sharding.checkpointing import chosen_modules
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
@@ -103,6 +104,7 @@ class ComputeTrace:
     matmuls: dict[tuple[int, int, int, int], float] = field(default_factory=dict)  # (batch, m, k, n) -> FLOPs
     seconds: float = 0.0  # how long the trace took
     error: str | None = None  # why there is no trace
+    why: str | None = None  # ... in a few words, for the tables (step_stand_ins.py's ``in_words``)
 
     def flops(self) -> dict[str, float]:
         """Forward FLOPs per unit."""
@@ -229,7 +231,7 @@ def trace_compute(
     """One micro-batch of ``model`` (its tensors are not read) through the first of ``steps`` that runs under fake
     tensors, its work counted by unit of ``config``'s policy; ``make_batch()`` runs inside the fake mode. A model that
     does not run gives a trace whose ``error`` says why."""
-    began, errors = time.perf_counter(), []
+    began, errors, first = time.perf_counter(), [], None
     modes = {m: m.training for m in model.modules()}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model.train()
@@ -240,10 +242,12 @@ def trace_compute(
                     return _traced(model, make_batch, step, precision, config, mode, began)
                 except Exception as err:  # noqa: BLE001 - the next way to run it, or the error below
                     errors.append(f"{getattr(step, '__name__', step)}: {type(err).__name__}: {err}")
+                    first = first or err
     finally:
         for module, training in modes.items():
             module.training = training
-    return ComputeTrace(seconds=time.perf_counter() - began, error="; ".join(errors))
+    why = in_words(first) if first is not None else None
+    return ComputeTrace(seconds=time.perf_counter() - began, error="; ".join(errors), why=why)
 
 
 def _traced(

@@ -39,7 +39,7 @@ from lightning_shardlab.budget.predicted.optimizer_peak import planned_step_temp
 from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, link_seconds, plan_model
 from lightning_shardlab.budget.predicted.step_timeline import Moment, StepTimeline, UnitBytes, step_timeline
 from lightning_shardlab.budget.predicted.zero_table import DEVICES, Interconnect, predict_traffic
-from lightning_shardlab.core.config import DTYPES, Accumulation, PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.core.config import REDUCE_DTYPES, Accumulation, PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.core.display import size
 from lightning_shardlab.sharding.policy import plan_units
 
@@ -173,7 +173,7 @@ class Setting:
         return self.timelines[key]
 
     def _policy(self) -> PrecisionPolicy:
-        reduce = DTYPES[self.config.reduce_dtype] if self.config.reduce_dtype else None
+        reduce = REDUCE_DTYPES[self.config.reduce_dtype] if self.config.reduce_dtype else None
         return PrecisionPolicy(COMPUTE[self.precision], reduce)
 
     def accumulation_seconds(self, plan: Plan, steps: int) -> float:

@@ -40,12 +40,15 @@ from lightning_shardlab.budget.predicted.zero_table import (
     predict_traffic,
     zero_table_bytes,
 )
-from lightning_shardlab.core.config import DTYPES, PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.comm.packing import packing_for
+from lightning_shardlab.core.config import REDUCE_DTYPES, PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.optimizer import whole_tensor_class
 from lightning_shardlab.sharding.policy import plan_units
 
-COMPUTE = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": None}
+COMPUTE = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": None, "64-true": None}
+# a true precision's element (parameters, gradients, masters and optimizer state in it); mixed: fp32 masters
+ELEMENT_BYTES = {"32-true": 4, "bf16-true": 2, "64-true": 8, "bf16-mixed": 4, "16-mixed": 4}
 
 
 @dataclass
@@ -161,7 +164,7 @@ def zero_traffic(
     gathers before forward and again before backward (inside the reshard group with k); stages 1-2 after the
     step; one reduce-scatter, and, hybrid, one all-reduce of its shard (1/G of it) across the replicas."""
     mixed = COMPUTE[precision] is not None
-    w = 2 if mixed or precision == "bf16-true" else 4
+    w = 2 if mixed else ELEMENT_BYTES[precision]
     r = 4 if mixed else w  # gradients reduce in fp32 under mixed precision
     scope = "shard" if replicas > 1 else "world"
     by_scope: dict[str, dict[str, list[int]]] = {}
@@ -196,25 +199,24 @@ def plan_params(
     the groups tile the world."""
     config = config or ShardLabConfig(stage=stage)
     group, reshard = config.group_sizes(world_size, per_node or world_size)
-    mixed = COMPUTE[precision] is not None
+    mixed, itemsize = COMPUTE[precision] is not None, ELEMENT_BYTES[precision]  # the master's element
     cls, named = _optimizer(optimizer, offload)
     shape = named or OptimizerShape(0, 0)  # a whole-tensor optimizer's state: from its owners, below
-    memory = zero_table_bytes(params, group, stage, mixed, shape)
+    memory = zero_table_bytes(params, group, stage, mixed, shape, itemsize)
     whole = alone = None
     if cls is not None:
-        itemsize = 2 if precision == "bf16-true" else 4  # the master's
         whole = plan_whole_params(params, world_size, group, cls, itemsize, stage is Stage.PARAMETERS or mixed)
         memory["optimizer_state"] = whole.optimizer_state(0)
         alone = plan_whole_params(params, 1, 1, cls, itemsize, False)
     if offload == "cpu" and not mixed:
-        memory["master"] = 4 * params / group  # the host keeps a master of its own beside the device's shard
-    per_element = shape.per_element * 4 + (4 if mixed else 0)
+        memory["master"] = itemsize * params / group  # the host keeps a master of its own beside the device's shard
+    per_element = shape.per_element * itemsize + (4 if mixed else 0)
     moves = {
         "none": {"down": 0.0, "up": 0.0},
-        "cpu": {"down": 4 * params / group, "up": (2 if mixed else 4) * params / group},
+        "cpu": {"down": itemsize * params / group, "up": (2 if mixed else itemsize) * params / group},
         "disk": {"down": per_element * params / group, "up": per_element * params / group},
     }[offload]
-    unsharded = sum(zero_table_bytes(params, 1, Stage.PARAMETERS, mixed, shape).values())
+    unsharded = sum(zero_table_bytes(params, 1, Stage.PARAMETERS, mixed, shape, itemsize).values())
     unsharded += alone.optimizer_state(0) if alone is not None else 0
     replicas = world_size // group
     traffic = zero_traffic(params, stage, precision, group, reshard, replicas)
@@ -254,7 +256,7 @@ def plan_model(
     replicas = world_size // group
     units = plan_units(model, config, group).layouts()
     layouts = [lay for lays in units.values() for lay in lays]
-    policy = PrecisionPolicy(COMPUTE[precision], DTYPES[config.reduce_dtype] if config.reduce_dtype else None)
+    policy = PrecisionPolicy(COMPUTE[precision], REDUCE_DTYPES[config.reduce_dtype] if config.reduce_dtype else None)
     offload = config.offload if config.offload != "auto" else "cpu"
     cls, shape = _optimizer(optimizer, offload)
     whole = plan_whole_model(units, config.stage, policy, world_size, group, cls) if cls is not None else None
@@ -270,6 +272,8 @@ def plan_model(
         reshard_after_forward=config.reshard_after_forward,
         replicas=replicas,
         reshard_size=reshard,
+        gather_packing=packing_for(config.gather_dtype, config.quant_block_size),
+        reduce_packing=packing_for(config.reduce_dtype, config.quant_block_size),
     )
     return Plan(
         source=source,

@@ -43,7 +43,7 @@ from lightning_shardlab.budget.predicted.optimizer_peak import elementwise_class
 from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan
 from lightning_shardlab.budget.predicted.step_time import PARTS, Links, basis, predict_step_time, traffic_seconds
 from lightning_shardlab.budget.predicted.zero_table import Interconnect, Traffic
-from lightning_shardlab.core.config import DTYPES, PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.core.config import REDUCE_DTYPES, PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.policy import plan_units
 
@@ -76,6 +76,7 @@ class TimedSetting:
     micro_batches: int = 1  # per optimizer step (gradient accumulation)
     per_node: int | None = None
     data_seconds: float = 0.0
+    link_share: float = 1.0  # what the links keep of their speed while compute runs (compute_rate.py's link_share)
     traces: dict[int, ComputeTrace] = field(default_factory=dict)
 
     def compute(self, micro_batch_size: int | None = None) -> ComputeTrace:
@@ -99,7 +100,7 @@ class TimedSetting:
         per_node = self.per_node or self.world_size
         group, reshard = config.group_sizes(self.world_size, per_node)
         units = plan_units(self.model, config, group).layouts()
-        reduce = DTYPES[config.reduce_dtype] if config.reduce_dtype else None
+        reduce = REDUCE_DTYPES[config.reduce_dtype] if config.reduce_dtype else None
         policy = PrecisionPolicy(COMPUTE[self.precision], reduce)
         layouts = [lay for lays in units.values() for lay in lays]
         links = Links(self.inter if group > per_node else self.intra, self.inter, self.world_size // group, reshard)
@@ -108,8 +109,9 @@ class TimedSetting:
         out = predict_step_time(
             units, self.compute(micro_batch_size), self.rate, config, policy, links,
             micro_batches=m, optimizer=work, data_seconds=self.data_seconds, prefetch=prefetch,
+            link_share=self.link_share,
         )  # fmt: skip
-        out["basis"] = basis(self.rate, links, m, self.precision, self.optimizer)
+        out["basis"] = {**basis(self.rate, links, m, self.precision, self.optimizer), "link_share": self.link_share}
         out["basis"]["micro_batch_size"] = micro_batch_size or self.micro_batch_size
         return out
 
@@ -242,9 +244,14 @@ def time_rows(time: dict[str, Any]) -> list[tuple[str, str, str]]:
 def basis_line(time: dict[str, Any]) -> str:
     basis = time["basis"]
     across = f", across groups {basis['inter']}" if basis["inter"] else ""
+    engine = sum(basis.get("engine_seconds", {}).values())
+    costs = f" ({basis['seconds_per_op'] * 1e6:.1f} us a kernel" + (
+        f", the engine's hooks {engine * 1e6:.0f} us a unit and step)" if engine else ")"
+    )
+    share = f" at {basis['link_share']:.2f} of its speed while computing" if basis.get("link_share", 1.0) < 1 else ""
     return (
-        f"compute at {basis['rate']}; link {basis['link']}{across}; {basis['micro_batches']} micro-batch(es) of"
-        f" {basis['micro_batch_size']} per step"
+        f"compute at {basis['rate']}{costs}; link {basis['link']}{across}{share}; {basis['micro_batches']}"
+        f" micro-batch(es) of {basis['micro_batch_size']} per step"
     )
 
 

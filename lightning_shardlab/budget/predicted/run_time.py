@@ -26,6 +26,7 @@ from lightning_shardlab.budget.predicted.compute_trace import (
     optimizer_work,
     precision_copies,
 )
+from lightning_shardlab.budget.predicted.engine_cost import with_engine_cost
 from lightning_shardlab.budget.predicted.step_time import Links, basis, predict_step_time
 from lightning_shardlab.budget.predicted.zero_table import INTERCONNECTS, Interconnect
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
@@ -69,11 +70,13 @@ def run_optimizer_work(
 
 def run_rate(sharded: ShardedModel, compute: ComputeTrace | None) -> ComputeRate:
     """The compute rate measured on the run's device in its compute dtype, on the traced model's heaviest matmuls
-    (budget/predicted/compute_rate.py's ``measure_rate``, cached per process): what this process sustains while
-    nothing else runs beside it, so the ranks on one machine take turns to call it (budget/callback.py)."""
+    (budget/predicted/compute_rate.py's ``measure_rate``, cached per process), with the engine's own work per unit at
+    the run's stage (budget/predicted/engine_cost.py): what this process sustains while nothing else runs beside it,
+    so the ranks on one machine take turns to call it (budget/callback.py)."""
     layouts = [fp.layout for u in sharded.forward_order for fp in u.flat_params]
     dtype = sharded.policy.compute_dtype or (layouts[0].dtype if layouts else torch.float32)
-    return measure_rate(sharded.comm.device, dtype, compute.matmuls if compute is not None else None)
+    rate = measure_rate(sharded.comm.device, dtype, compute.matmuls if compute is not None else None)
+    return with_engine_cost(rate, sharded.config.stage)
 
 
 def time_predicted_for_run(
@@ -100,7 +103,11 @@ def time_predicted_for_run(
     compute = ComputeTrace.of_flops(unit_flops) if isinstance(unit_flops, dict) else unit_flops
     if compute is None or compute.error:
         why = compute.error if compute is not None else "the first batch was not traced"
-        return {"error": f"[rank {sharded.comm.rank}] no compute to time: {why}. HINT: see activations_predicted."}
+        short = f"the first batch did not trace: {compute.why}" if compute is not None else "no batch was traced"
+        return {
+            "error": f"[rank {sharded.comm.rank}] no compute to time: {why}. HINT: see activations_predicted.",
+            "why": short,
+        }
     device, mesh = sharded.comm.device, sharded.mesh
     alone = mesh.shard.world_size == 1 and mesh.replica.world_size == 1  # nothing crosses a link
     try:

@@ -55,6 +55,7 @@ attention's backward (2.5 x) and counts an embedding's as memory-bound.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -306,9 +307,12 @@ def unit_times(
 
 
 def _compute_seconds(work: UnitWork | None, rate: ComputeRate, is_root: bool) -> tuple[float, float, float]:
-    """(forward, backward, lead forward) seconds of one micro-batch of a unit's work."""
-    work = work or UnitWork()
-    return rate.seconds(work.forward), rate.seconds(work.backward), rate.seconds(work.lead) if is_root else 0.0
+    """(forward, backward, lead forward) seconds of one micro-batch of a unit's work, with the engine's own work for
+    the unit (its hooks) and, the root's, for the step (``rate.engine``: budget/predicted/engine_cost.py)."""
+    work, engine = work or UnitWork(), rate.engine
+    forward = rate.seconds(work.forward) + engine.unit_forward + (engine.step_forward if is_root else 0.0)
+    backward = rate.seconds(work.backward) + engine.unit_backward + (engine.step_backward if is_root else 0.0)
+    return forward, backward, rate.seconds(work.lead) if is_root else 0.0
 
 
 def _works(units: dict[str, list[FlatParamLayout]], compute: ComputeTrace) -> dict[str, UnitWork]:
@@ -346,8 +350,9 @@ def predict_step_time(
     ]
     root, others = times[0], times[1:]
     plan = Schedule(config.stage, config.reshard_after_forward, config.accumulation is Accumulation.DEFER, prefetch)
-    line = play(root, others, plan, micro_batches, rate.seconds(optimizer), data_seconds, link_share)
-    return _result(times, line, micro_batches, rate.seconds(optimizer), data_seconds)
+    stepping = rate.seconds(optimizer, bare=True)  # its kernels dispatched outside modules and autograd
+    line = play(root, others, plan, micro_batches, stepping, data_seconds, link_share)
+    return _result(times, line, micro_batches, stepping, data_seconds)
 
 
 def _result(
@@ -410,6 +415,8 @@ def basis(rate: ComputeRate, links: Links, micro_batches: int, precision: str, o
         "flops_per_second": rate.flops_per_second,
         "bytes_per_second": rate.bytes_per_second,
         "seconds_per_op": rate.seconds_per_op,
+        "seconds_per_bare_op": rate.seconds_per_bare_op,
+        "engine_seconds": dataclasses.asdict(rate.engine),
         "probe_seconds": rate.probe_seconds,
         "link": links.intra.name,
         "inter": links.inter.name if links.replicas > 1 else None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES
+from lightning_shardlab.comm.packing import Packing
 from lightning_shardlab.core.config import PrecisionPolicy, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.optimizer import OptimizerShape
@@ -171,6 +172,8 @@ def predict_traffic(
     *,
     replicas: int = 1,
     reshard_size: int | None = None,
+    gather_packing: Packing | None = None,
+    reduce_packing: Packing | None = None,
 ) -> Traffic:
     """Per optimizer step, in the steady state, for a shard group of the layouts' world size among
     ``replicas`` such groups. Stage 3: all-gather each unit before forward and again before backward (the
@@ -178,7 +181,9 @@ def predict_traffic(
     1-2: reduce-scatter, then all-gather the updated shards after the step. Counts the full tensor of each
     call, the size torch's collectives are given. Hybrid (``replicas`` > 1): each reduction's shard is then
     all-reduced across the replica group (shard_numel elements). ``reshard_size`` k: the backward all-gathers
-    run inside reshard groups of k ranks (the same full tensor)."""
+    run inside reshard groups of k ranks (the same full tensor). Packed calls (``gather_dtype``, ``reduce_dtype``
+    'bf16' / 'fp16' / 'int8': comm/packing.py) count their packed bytes, W payloads of a shard each; a packed
+    reduction's shard is fp32 (summed there), and so is its all-reduce across replicas."""
     by_scope: dict[str, dict[str, list[int]]] = {}
     group = "shard" if replicas > 1 else "world"
     backward_scope = "reshard" if reshard_size is not None and stage is Stage.PARAMETERS else group
@@ -189,25 +194,46 @@ def predict_traffic(
         for lay in lays:
             compute = policy.compute_for(lay.dtype).itemsize
             reduce = (policy.reduce_dtype or lay.dtype).itemsize
+            floating = lay.dtype.is_floating_point
+            exact = lay.padded_numel * compute
+            gathered = _packed(gather_packing, lay) if floating and stage is Stage.PARAMETERS else None
+            reduced = _packed(reduce_packing, lay) if floating else None
             if lay.world_size > 1:
                 forward, backward = _gathers(name, last, stage, lay, micro_batches, bool(reshard_after_forward))
-                file_call(by_scope, group, "all_gather", forward, forward * lay.padded_numel * compute)
-                file_call(by_scope, backward_scope, "all_gather", backward, backward * lay.padded_numel * compute)
+                file_call(by_scope, group, "all_gather", forward, forward * (gathered or exact))
+                if backward_scope != group:  # from the group shards: what was gathered, exactly
+                    gathered = None
+                file_call(by_scope, backward_scope, "all_gather", backward, backward * (gathered or exact))
                 if lay.requires_grad:
-                    file_call(by_scope, group, "reduce_scatter", reductions, reductions * lay.padded_numel * reduce)
+                    one = reduced or lay.padded_numel * reduce
+                    file_call(by_scope, group, "reduce_scatter", reductions, reductions * one)
             if lay.requires_grad and replicas > 1:
-                file_call(by_scope, "replica", "all_reduce", reductions, reductions * lay.shard_numel * reduce)
+                shard = lay.shard_numel * (4 if reduced else reduce)
+                file_call(by_scope, "replica", "all_reduce", reductions, reductions * shard)
     return Traffic.of(by_scope)
 
 
+def _packed(packing: Packing | None, lay: FlatParamLayout) -> int | None:
+    """Bytes of one packed call of ``lay`` (every rank's packed shard), or None where it travels as it is."""
+    if packing is None or lay.world_size == 1:
+        return None
+    return lay.world_size * packing.nbytes(lay.shard_numel)
+
+
 def zero_table_bytes(
-    params: float, world_size: int, stage: Stage, mixed: bool = True, optimizer: OptimizerShape | None = None
+    params: float,
+    world_size: int,
+    stage: Stage,
+    mixed: bool = True,
+    optimizer: OptimizerShape | None = None,
+    itemsize: int = 4,
 ) -> dict[str, float]:
-    """Per-rank bytes by category from a parameter count alone (no layout, no padding): the ZeRO table."""
+    """Per-rank bytes by category from a parameter count alone (no layout, no padding): the ZeRO table. ``itemsize``:
+    the masters' element (fp32 under mixed precision; a true precision's own: 2 bf16-true, 4 32-true, 8 64-true)."""
     optimizer = optimizer or OptimizerShape()
     p, n = params, world_size
-    w, g, m = (2, 2, 4) if mixed else (4, 4, 0)
-    state = 4 * optimizer.per_element
+    w, g, m = (2, 2, 4) if mixed else (itemsize, itemsize, 0)
+    state = (4 if mixed else itemsize) * optimizer.per_element
     if stage is Stage.PARAMETERS:
         return {"params": w * p / n, "grads": g * p / n, "master": m * p / n, "optimizer_state": state * p / n}
     return {"params": w * p, "grads": g * p / n, "master": m * p / n, "optimizer_state": state * p / n}

@@ -1,0 +1,83 @@
+"""What the engine's own work costs per unit, measured on this machine: the price a step pays beside its kernels.
+
+A unit's forward and backward run the engine's hooks (sharding/hooks.py) around the model's kernels: at stage 3 the
+pre-forward unshards (each parameter shown its view of the full buffer, the next unit's gather launched), the
+post-forward reshards and hooks the outputs, the post-backward lays the gradients out as one flat gradient and
+launches its reduce-scatter; at stages 1-2 the gradients are still laid out and reduced unit by unit. On a CPU,
+where the host runs every kernel itself, that Python work adds to the step as the kernels do, and for a small model
+it is most of the step (benchmarks/TIME_PREDICTION.md, the tiny stack).
+
+``engine_cost`` measures it: tiny blocks (compute_rate.py's ``_ProbeBlock``), one unit each, sharded at the run's
+stage on a world of one (a ``Comm`` of one rank: every hook runs, no collective leaves the process; what the
+collectives themselves cost is the link's, timed apart), run forward and backward beside the same blocks unsharded,
+with 2 and with 6 blocks. The difference grows by the cost of a unit per block (the slope), and what is left at none
+is the step's own (the intercept, less the root's unit: holding the root for the step, the end of backward). A GPU's
+host queues this work ahead of the device's kernels, so there it costs nothing the device waits for: 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, EngineCost, _ProbeBlock
+from lightning_shardlab.comm.collectives import Comm
+from lightning_shardlab.core.config import ShardLabConfig, Stage
+from lightning_shardlab.sharding.build import shard_model
+
+SIZES = (2, 6)  # blocks (units) in the two probes: per unit from the slope, per step from the intercept
+WARM_UP = 3  # steps run before timing
+SAMPLES = 15  # timed calls, their median kept
+
+
+def _median(call: Callable[[], object]) -> float:
+    samples = []
+    for _ in range(SAMPLES):
+        began = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - began)
+    return statistics.median(samples)
+
+
+def _extra_seconds(blocks: int, stage: int, dev: torch.device) -> tuple[float, float]:
+    """(forward, backward) seconds the engine adds to ``blocks`` tiny blocks, one unit each, at ``stage``."""
+    plain = nn.Sequential(*(_ProbeBlock(8) for _ in range(blocks))).to(dev)
+    sharded = copy.deepcopy(plain)
+    config = ShardLabConfig(stage=Stage(stage), unit_classes=[_ProbeBlock])
+    shard_model(sharded, config, Comm(rank=0, world_size=1, device=dev))
+    x = torch.randn(2, 8, device=dev)
+    for _ in range(WARM_UP):  # the engine's first steps differ (no forward order to prefetch by yet)
+        for module in (plain, sharded):
+            module(x).sum().backward()
+    forward = [_median(lambda m=m: m(x).sum()) for m in (plain, sharded)]
+    step = [_median(lambda m=m: m(x).sum().backward()) for m in (plain, sharded)]
+    extra_forward = forward[1] - forward[0]
+    return extra_forward, step[1] - step[0] - extra_forward
+
+
+@functools.cache
+def engine_cost(device: str, threads: int, stage: int) -> EngineCost:
+    """The engine's work at ``stage`` on ``device`` (the module's docstring); nothing on a GPU."""
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        return EngineCost()
+    (f1, b1), (f2, b2) = (_extra_seconds(n, stage, dev) for n in SIZES)
+    span = SIZES[1] - SIZES[0]
+    unit_f, unit_b = max((f2 - f1) / span, 0.0), max((b2 - b1) / span, 0.0)
+    # the root is a unit too: what is left at no blocks is one unit's work + the step's own
+    step_f = max(f1 - (SIZES[0] + 1) * unit_f, 0.0)
+    step_b = max(b1 - (SIZES[0] + 1) * unit_b, 0.0)
+    return EngineCost(unit_f, unit_b, step_f, step_b)
+
+
+def with_engine_cost(rate: ComputeRate, stage: int) -> ComputeRate:
+    """``rate`` (measured on this machine's ``rate.device``) with the engine's work at ``stage`` measured beside it,
+    in the same process and thread count."""
+    return dataclasses.replace(rate, engine=engine_cost(rate.device, torch.get_num_threads(), int(stage)))
