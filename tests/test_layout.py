@@ -1,6 +1,6 @@
 """The public surface and the house rules: public names, registered strategies, subcommands and shipped
-configs do not move; imports run one way (a reversed import breaks the contract); the README's layout
-section names every module once."""
+configs do not move; imports run one way (a reversed import breaks the contract); the manual's layout
+(docs/contributing.md) names every module once."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ PUBLIC = (
 )  # fmt: skip
 STRATEGIES = ("shardlab", "shardlab_stage_1", "shardlab_stage_2", "shardlab_stage_3")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+LAYOUT = ROOT / "docs" / "contributing.md"  # the manual's page for contributors holds the layout list
+OPTIONS_PAGE = ROOT / "docs" / "options.md"  # the manual's table of every option
 
 
 def test_public_names_strategies_and_subcommands_stay_where_users_find_them() -> None:
@@ -50,9 +52,13 @@ def _class_paths(text: str) -> set[str]:
     return set(re.findall(r"class_path:\s*([\w.]+)", text))
 
 
-def test_every_class_path_in_the_configs_and_readme_imports() -> None:
+def test_every_class_path_in_the_configs_readme_and_manual_imports() -> None:
     paths = set()
-    for source in [*sorted((ROOT / "configs").glob("*.yaml")), ROOT / "README.md"]:
+    for source in [
+        *sorted((ROOT / "configs").glob("*.yaml")),
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+    ]:
         paths |= _class_paths(source.read_text())
     assert "lightning_shardlab.ShardLabBudget" in paths and "lightning_shardlab.examples.gpt.GPT" in paths
     for path in sorted(paths):
@@ -99,17 +105,17 @@ def _subpackages() -> list[Path]:
     )
 
 
-def test_readme_layout_names_every_module_once() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Layout", 1)[1].split("\n#", 1)[0]
+def test_manual_layout_names_every_module_once() -> None:
+    page = LAYOUT.read_text()
+    section = page.split("## Layout", 1)[1].split("\n#", 1)[0]
     bullets = [line for line in re.split(r"\n- ", section) if line.strip()]
     for folder in _subpackages():
         where = folder.relative_to(PACKAGE).as_posix()
         modules = sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py")
         bullet = next((b for b in bullets if b.lstrip("- ").startswith(f"`{where}/`")), None)
-        assert bullet is not None, f"the README's layout does not name {where}/"
+        assert bullet is not None, f"the layout in {LAYOUT.relative_to(ROOT)} does not name {where}/"
         named = re.findall(r"`(\w+\.py)`", bullet)
-        assert sorted(named) == modules, f"{where}/: README names {sorted(named)}, the folder has {modules}"
+        assert sorted(named) == modules, f"{where}/: {LAYOUT.name} names {sorted(named)}, the folder has {modules}"
     top = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
     outside = " ".join(b for b in bullets if not re.match(r"-? ?`[\w/]+/`", b))
     for name in top:
@@ -144,8 +150,8 @@ def test_every_option_is_written_once_and_seen_everywhere(
         for name in OPTIONS:
             assert re.search(rf"^\s+{name}: \S", strategy.__doc__, re.M), (strategy, name)
     assert set(field_docs(ShardLabConfig)) == {f.name for f in dataclasses.fields(ShardLabConfig)}  # each documented
-    readme = (ROOT / "README.md").read_text()
-    assert [name for name in OPTIONS if f"| `{name}` |" not in readme] == []  # the README's table lists each
+    table = OPTIONS_PAGE.read_text()
+    assert [name for name in OPTIONS if f"| `{name}` |" not in table] == []  # the manual's table lists each
     config = tmp_path / "strategy.yaml"
     config.write_text(
         "trainer:\n  strategy:\n    class_path: lightning_shardlab.ShardLabStrategy\n    init_args:\n"

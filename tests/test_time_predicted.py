@@ -405,3 +405,23 @@ def test_per_op_and_per_unit_costs_by_hand(micro_batches: int) -> None:
     assert out["comm_exposed"] == 0.0 and out["step"] == pytest.approx(
         micro_batches * (sum(forward.values()) + sum(backward.values())) + 0.0011 + 0.004
     )
+
+
+def test_the_plan_measured_here_takes_the_rates_a_run_takes(monkeypatch) -> None:
+    """``shardlab plan --interconnect local --flops here`` (cli/plan.py's ``rate_here``) prices as a run on this
+    machine prices itself (budget/callback.py, run_time.py): the probes' rate with the engine's work at the plan's
+    stage, shared by the ranks on the machine's cores, and the links' share of their speed while they compute."""
+    from lightning_shardlab.budget.predicted import compute_rate
+    from lightning_shardlab.cli import plan as cli_plan
+
+    engine = EngineCost(1e-4, 2e-4, 3e-4, 4e-4)
+    monkeypatch.setattr(cli_plan, "measure_rate", lambda device, dtype, matmuls, memory_ops: RATE)
+    monkeypatch.setattr(cli_plan, "with_engine_cost", lambda rate, stage: dataclasses.replace(rate, engine=engine))
+    monkeypatch.setattr(compute_rate, "_cores", lambda: 1)  # 2 ranks of 1 thread on 1 core: half each, no link share
+    timed = setting(stage=Stage(3))
+    rate, share = cli_plan.rate_here(timed, 2)
+    assert rate.flops_per_second == RATE.flops_per_second / 2 and rate.engine == engine.scaled(2) and share == 0.0
+    args = SimpleNamespace(intra=None, inter=None, interconnect="local", ranks_per_node=None)
+    assert cli_plan._local_ranks(args, timed) == timed.world_size  # every link local: every rank is here
+    timed.rate, timed.link_share = rate, share
+    assert timed.predict()["basis"]["link_share"] == 0.0

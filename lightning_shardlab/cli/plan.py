@@ -311,7 +311,8 @@ def rate_here(timed: TimedSetting, ranks_here: int) -> tuple[ComputeRate, float]
     ``ranks_here`` ranks of this machine, and what their compute leaves the links."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = COMPUTE[timed.precision] or CONVERTED.get(timed.precision, torch.float32)
-    rate = with_engine_cost(measure_rate(device, dtype, timed.compute().matmuls), timed.config.stage)
+    traced = timed.compute()
+    rate = with_engine_cost(measure_rate(device, dtype, traced.matmuls, traced.memory_ops), timed.config.stage)
     return sharing_cores(rate, ranks_here), link_share(device.type, ranks_here)
 
 

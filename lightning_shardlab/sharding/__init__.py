@@ -16,7 +16,8 @@ In the order a step meets them:
     checkpointing.py    activation checkpointing: the chosen modules' forward recomputed in backward
     sharded_model.py    ``ShardedModel``: the units of one module, a step, the refresh after it
     lookup.py           ``sharded_model_of(trainer)``: how the callbacks find it
-    placeholders.py     a stage-3 parameter at rest: its shape answers, every read of its values raises
+    placeholders.py     a stage-3 parameter at rest: its shape answers, its values only through shard_reads.py
+    shard_reads.py      a whole gradient or weight read in a hook, served from the shards (DDP's values)
     optimizer.py        the user's optimizer (its class's name kept) over the module's parameters, stepping the
                         master shards; the global gradient norm
     stand_ins.py        the engine's tensors in an optimizer's param groups for one update, state beside them

@@ -14,7 +14,9 @@ datasheet (``MEMORY_BANDWIDTH``) and no per-kernel cost (a GPU queues kernels ah
 - matmuls: the traced model's own matmul shapes, the three that carry the most FLOPs, each timed on the device in
   the compute dtype (rows cut down so that one call stays under ~0.4 GFLOP on a CPU, 1 TFLOP on a GPU); the
   rate is their FLOPs over their summed time (a square 512 x 512 x 512 when nothing was traced);
-- memory bandwidth: a copy of 64 MiB (1 GiB on a GPU), bytes read + written over its time;
+- memory bandwidth: the traced model's own heaviest memory-bound ops (norms, activations, softmax, casts: on a CPU
+  they run slower per byte than a copy), each run for real on tensors of its traced shapes, the bytes one call of
+  each moves over their time (``model_bandwidth``); without a trace, a copy of 64 MiB (1 GiB on a GPU);
 - per kernel: four tiny blocks (norm, linear, activation, residual add), each hooked as the engine hooks a unit, run
   forward and backward under autograd: the fixed cost of a kernel as a training step dispatches it from Python
   (through a module's call and its hooks; and launches it, on a GPU), priced so that the blocks' forward and backward
@@ -37,8 +39,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_map
 
-from lightning_shardlab.budget.predicted.compute_trace import Work, WorkMode
+from lightning_shardlab.budget.predicted.compute_trace import MemoryOp, TensorSpec, Work, WorkMode
 from lightning_shardlab.budget.predicted.zero_table import DEVICES
 
 MEMORY_BANDWIDTH = {  # bytes per second of device memory, from each vendor's datasheet
@@ -143,7 +146,7 @@ def memory_bandwidth(device: str, threads: int) -> float:
     return 2.0 * PROBE_BYTES[dev.type] / _median_seconds(lambda: target.copy_(source), dev)
 
 
-class _ProbeBlock(torch.nn.Module):
+class ProbeBlock(torch.nn.Module):
     """A block of a model as small as it gets: a norm, a linear, an activation and a residual add."""
 
     def __init__(self, width: int) -> None:
@@ -157,12 +160,12 @@ class _ProbeBlock(torch.nn.Module):
 @functools.cache
 def seconds_per_op(device: str, threads: int) -> float:
     """Seconds of one kernel as a training step dispatches it (and launches it, on a GPU): through a module's call
-    with a unit's forward hooks on it, autograd recording, and its backward. Four tiny blocks (``_ProbeBlock``, each
+    with a unit's forward hooks on it, autograd recording, and its backward. Four tiny blocks (``ProbeBlock``, each
     hooked as the engine hooks a unit) run forward and backward, timed; the kernels of their forward are counted as a
     trace counts them (compute_trace.py's ``WorkMode``), and the time model prices a backward as twice its forward,
     so one kernel's cost is the whole over three times that count: forward and backward priced as they ran."""
     dev = torch.device(device)
-    blocks = torch.nn.Sequential(*(_ProbeBlock(8) for _ in range(4))).to(dev)
+    blocks = torch.nn.Sequential(*(ProbeBlock(8) for _ in range(4))).to(dev)
     for block in blocks:
         block.register_forward_pre_hook(lambda module, args: None)
         block.register_forward_hook(lambda module, args, output: None)
@@ -191,16 +194,44 @@ def seconds_per_bare_op(device: str, threads: int) -> float:
     return _median_seconds(chain, dev) / 100
 
 
+def _realized(spec: TensorSpec, dev: torch.device) -> torch.Tensor:
+    """A real tensor for a traced one: random values if floating, zeros (valid indices) otherwise."""
+    if spec.dtype.is_floating_point:
+        return torch.randn(spec.shape, device=dev).to(spec.dtype)
+    return torch.zeros(spec.shape, dtype=spec.dtype, device=dev)
+
+
+def model_bandwidth(ops: list[MemoryOp], dev: torch.device) -> float | None:
+    """Bytes/s of the model's own heaviest memory-bound ops (a trace's ``memory_ops``), each run for real on tensors
+    of its traced shapes: the bytes one call of each moves over the time one call of each takes. None when none
+    runs (an op that refuses random values is left out)."""
+    moved = seconds = 0.0
+    for op in ops:
+        try:
+            args, kwargs = tree_map(lambda v: _realized(v, dev) if isinstance(v, TensorSpec) else v, op.template)
+            seconds += _median_seconds(lambda op=op, args=args, kwargs=kwargs: op.func(*args, **kwargs), dev)
+            moved += op.bytes / max(op.calls, 1)
+        except Exception:  # noqa: BLE001 - an op that needs real values (indices in range, a mask): left out
+            continue
+    return moved / seconds if moved and seconds else None
+
+
 def measure_rate(
-    device: torch.device | str, dtype: torch.dtype, matmuls: dict[tuple[int, int, int, int], float] | None = None
+    device: torch.device | str,
+    dtype: torch.dtype,
+    matmuls: dict[tuple[int, int, int, int], float] | None = None,
+    memory_ops: list[MemoryOp] | None = None,
 ) -> ComputeRate:
     """The rates measured on ``device`` at this process's thread count: the heaviest of ``matmuls`` ((batch, m, k, n)
-    -> FLOPs, from a trace) in ``dtype``, a copy's bandwidth, a tiny kernel's cost. Cached per process."""
+    -> FLOPs, from a trace) in ``dtype``; the bandwidth of the traced model's own heaviest memory-bound ops
+    (``memory_ops``: norms, activations, softmax run slower per byte than a copy), else of a copy; a kernel's cost.
+    The probes of fixed shapes are cached per process."""
     dev, threads, began = torch.device(device), torch.get_num_threads(), time.perf_counter()
     heaviest = sorted((matmuls or {}).items(), key=lambda kv: -kv[1])[:3] or [((1, 512, 512, 512), 1.0)]
     seconds = sum(flops / matmul_rate(shape, dtype, str(dev), threads) for shape, flops in heaviest)
     rate = sum(flops for _, flops in heaviest) / seconds
-    bandwidth, per_op = memory_bandwidth(str(dev), threads), seconds_per_op(str(dev), threads)
+    bandwidth = model_bandwidth(memory_ops or [], dev) or memory_bandwidth(str(dev), threads)
+    per_op = seconds_per_op(str(dev), threads)
     bare = seconds_per_bare_op(str(dev), threads)
     name = (
         f"measured here: {dev.type}, {threads} thread{'s' if threads > 1 else ''}, {str(dtype).removeprefix('torch.')}"

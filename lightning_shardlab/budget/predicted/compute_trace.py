@@ -61,6 +61,7 @@ from lightning_shardlab.sharding.policy import choose_units
 aten = torch.ops.aten
 CPU_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu  # not in torch's flop registry
 MATMULS = {aten.mm: (0, 1), aten.addmm: (1, 2), aten.bmm: (0, 1), aten.baddbmm: (1, 2)}  # (lhs, rhs) arguments
+HEAVIEST = 6  # memory-bound ops kept for the rate probe
 NO_WORK = {aten._unsafe_view, aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty}  # nothing moves
 
 
@@ -105,6 +106,7 @@ class ComputeTrace:
     seconds: float = 0.0  # how long the trace took
     error: str | None = None  # why there is no trace
     why: str | None = None  # ... in a few words, for the tables (step_stand_ins.py's ``in_words``)
+    memory_ops: list[MemoryOp] = field(default_factory=list)  # the heaviest memory-bound ops, most bytes first
 
     def flops(self) -> dict[str, float]:
         """Forward FLOPs per unit."""
@@ -132,6 +134,23 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class MemoryOp:
+    """One memory-bound op as a trace met it: the op, its arguments with each tensor as a ``TensorSpec``, and the
+    bytes it moved in all (budget/predicted/compute_rate.py times the heaviest for real)."""
+
+    func: Any
+    template: tuple[Any, dict]
+    bytes: float = 0.0
+    calls: int = 0
+
+
 class WorkMode(TorchDispatchMode):
     """Counts the memory-bound bytes and the kernels of the ops under it, and the matmuls' shapes."""
 
@@ -140,6 +159,7 @@ class WorkMode(TorchDispatchMode):
         self.bytes = 0  # bytes
         self.ops = 0  # kernels
         self.matmuls: dict[tuple[int, int, int, int], float] = {}
+        self.memory_ops: dict[str, MemoryOp] = {}  # the memory-bound ops by op and shapes, with their bytes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -153,8 +173,21 @@ class WorkMode(TorchDispatchMode):
         elif packet not in flop_registry and packet is not CPU_ATTENTION:
             largest = max(_nbytes(t) for t in outputs)
             inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-            self.bytes += sum(_nbytes(t) for t in outputs) + sum(min(_nbytes(t), largest) for t in inputs)
+            moved = sum(_nbytes(t) for t in outputs) + sum(min(_nbytes(t), largest) for t in inputs)
+            self.bytes += moved
+            self._note(func, args, kwargs or {}, moved)
         return out
+
+    def _note(self, func: Any, args: Any, kwargs: dict, moved: int) -> None:
+        """Keep the op's shapes (its tensors as (shape, dtype)), so that a probe can run it for real."""
+        template = tree_map(
+            lambda t: TensorSpec(tuple(t.shape), t.dtype) if isinstance(t, Tensor) else t, (args, kwargs)
+        )
+        key = f"{func}{template}"
+        if key not in self.memory_ops:
+            self.memory_ops[key] = MemoryOp(func, template)
+        self.memory_ops[key].bytes += moved
+        self.memory_ops[key].calls += 1
 
     def _matmul(self, lhs: torch.Size, rhs: torch.Size) -> None:
         batch = lhs[0] if len(lhs) == 3 else 1
@@ -214,12 +247,12 @@ class _ByUnit:
         self.mark()
         self.checkpointed += step
 
-    def trace(self, matmuls: dict, seconds: float) -> ComputeTrace:
+    def trace(self, matmuls: dict, seconds: float, memory_ops: list[MemoryOp] | None = None) -> ComputeTrace:
         self.mark()
         units = [ROOT, *self.order]
         by_unit = {name: UnitWork(self.forward.get(name, Work()), self.recompute.get(name, Work())) for name in units}
         by_unit[ROOT] = dataclasses.replace(by_unit[ROOT], lead=self.lead)
-        return ComputeTrace(by_unit, dict(matmuls), seconds)
+        return ComputeTrace(by_unit, dict(matmuls), seconds, memory_ops=memory_ops or [])
 
 
 # ---- the traces ----
@@ -272,7 +305,8 @@ def _traced(
     finally:
         for handle in handles:
             handle.remove()
-    return units.trace(work.matmuls, time.perf_counter() - began)
+    heaviest = sorted(work.memory_ops.values(), key=lambda op: -op.bytes)[:HEAVIEST]
+    return units.trace(work.matmuls, time.perf_counter() - began, heaviest)
 
 
 def _steps(model: nn.Module) -> list[Step]:

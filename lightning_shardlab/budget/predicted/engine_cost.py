@@ -7,7 +7,7 @@ launches its reduce-scatter; at stages 1-2 the gradients are still laid out and 
 where the host runs every kernel itself, that Python work adds to the step as the kernels do, and for a small model
 it is most of the step (benchmarks/TIME_PREDICTION.md, the tiny stack).
 
-``engine_cost`` measures it: tiny blocks (compute_rate.py's ``_ProbeBlock``), one unit each, sharded at the run's
+``engine_cost`` measures it: tiny blocks (compute_rate.py's ``ProbeBlock``), one unit each, sharded at the run's
 stage on a world of one (a ``Comm`` of one rank: every hook runs, no collective leaves the process; what the
 collectives themselves cost is the link's, timed apart), run forward and backward beside the same blocks unsharded,
 with 2 and with 6 blocks. The difference grows by the cost of a unit per block (the slope), and what is left at none
@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, EngineCost, _ProbeBlock
+from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, EngineCost, ProbeBlock
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.core.config import ShardLabConfig, Stage
 from lightning_shardlab.sharding.build import shard_model
@@ -48,9 +48,9 @@ def _median(call: Callable[[], object]) -> float:
 
 def _extra_seconds(blocks: int, stage: int, dev: torch.device) -> tuple[float, float]:
     """(forward, backward) seconds the engine adds to ``blocks`` tiny blocks, one unit each, at ``stage``."""
-    plain = nn.Sequential(*(_ProbeBlock(8) for _ in range(blocks))).to(dev)
+    plain = nn.Sequential(*(ProbeBlock(8) for _ in range(blocks))).to(dev)
     sharded = copy.deepcopy(plain)
-    config = ShardLabConfig(stage=Stage(stage), unit_classes=[_ProbeBlock])
+    config = ShardLabConfig(stage=Stage(stage), unit_classes=[ProbeBlock])
     shard_model(sharded, config, Comm(rank=0, world_size=1, device=dev))
     x = torch.randn(2, 8, device=dev)
     for _ in range(WARM_UP):  # the engine's first steps differ (no forward order to prefetch by yet)
