@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -142,6 +143,45 @@ def _fabric_grads(world: int, stage: int | None) -> list[dict[str, Tensor]]:
     return out
 
 
+class AccumulationReads(HookReads):
+    """Reads every parameter's whole gradient after each micro-batch's backward, under accumulation of 2."""
+
+    def on_after_backward(self) -> None:
+        self.rec["micro"].append({n: p.grad.clone() for n, p in self.net.named_parameters()})
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        pass
+
+
+def accumulation_reads(world: int) -> dict[str, Any]:
+    """``p.grad`` after each micro-batch of an accumulation of 2: DDP, shardlab's default (reduced as it goes) at
+    stages 1 and 3, and ``accumulation='defer'``; the warnings each said."""
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    initial = AccumulationReads()
+    cases = [("ddp", "ddp"), *((f"stage {s}", ShardLabStrategy(stage=s)) for s in (1, 3))]
+    cases.append(("defer", ShardLabStrategy(stage=3, accumulation="defer")))
+    for label, strategy in cases:
+        model = copy.deepcopy(initial)
+        trainer = L.Trainer(
+            devices=world, strategy=strategy, max_steps=2, accumulate_grad_batches=2, max_epochs=1, **QUIET
+        )
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            trainer.fit(model, OrderedData(regression_dataset(4 * BATCH * world), BATCH))
+        out[label] = {
+            "micro": model.rec["micro"],
+            "said": [str(w.message) for w in said if "micro-batch" in str(w.message)],
+        }
+    return out
+
+
 def hook_reads(stages: list[int], fabric: bool = True) -> dict[str, Any]:
     """Every case on this rank: the DDP reference, then shardlab at ``stages``; automatic and manual; Fabric."""
     world = int(os.environ["WORLD_SIZE"])
@@ -156,6 +196,7 @@ def hook_reads(stages: list[int], fabric: bool = True) -> dict[str, Any]:
     if fabric:
         for stage in (None, *stages):
             out[f"fabric {'ddp' if stage is None else f'stage {stage}'}"] = _fabric_grads(world, stage)
+        out["accumulation"] = accumulation_reads(world)
     return out
 
 
@@ -285,6 +326,30 @@ def test_hooks_read_what_ddp_reads(two_ranks: list[dict[str, Any]], mode: str, s
 def test_fabric_sees_the_gradient_after_backward(two_ranks: list[dict[str, Any]], stage: int) -> None:
     for rank, report in enumerate(two_ranks):
         _same(report[f"fabric stage {stage}"], report["fabric ddp"], f"Fabric, stage {stage}, rank {rank}")
+
+
+def test_a_gradient_read_during_accumulation_is_the_average_so_far_and_says_so(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    """Before the last micro-batch DDP shows each rank its own sum (its all-reduce waits); shardlab, reducing as it
+    goes, shows the ranks' average of those sums and says so once (rank 0); from the last micro-batch on, DDP's
+    values; ``accumulation='defer'`` shows DDP's own on every micro-batch, silently."""
+    runs = [report["accumulation"] for report in two_ranks]
+    for rank, run in enumerate(runs):
+        ddp = run["ddp"]["micro"]
+        assert len(ddp) == 4, len(ddp)  # 2 optimizer steps of 2 micro-batches
+        for label in ("stage 1", "stage 3"):
+            got = run[label]["micro"]
+            for i in (0, 2):  # before each step's last micro-batch: the mean of the ranks' own sums
+                mean = {n: sum(r["ddp"]["micro"][i][n] for r in runs) / len(runs) for n in ddp[i]}
+                _same(got[i], mean, f"{label}, rank {rank}, micro-batch {i}")
+            for i in (1, 3):
+                _same(got[i], ddp[i], f"{label}, rank {rank}, micro-batch {i}")
+            assert len(run[label]["said"]) == (1 if rank == 0 else 0), run[label]["said"]
+            assert rank != 0 or "accumulation='defer'" in run[label]["said"][0]
+        _same(run["defer"]["micro"], ddp, f"defer, rank {rank}")
+        assert run["defer"]["said"] == []
+    assert not torch.equal(runs[0]["ddp"]["micro"][0]["inp.weight"], runs[1]["ddp"]["micro"][0]["inp.weight"])
 
 
 def test_three_ranks_read_uneven_pieces_at_stage_3() -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,6 +51,13 @@ if TYPE_CHECKING:
     from lightning_shardlab.comm.collectives import Comm
     from lightning_shardlab.sharding.flat_param import FlatParam
 
+ACCUMULATING = (
+    "a gradient was read before the last micro-batch of a gradient accumulation: shardlab reduces each micro-batch"
+    " into the ranks' shards as it goes (accumulation='reduce'), so `.grad` there is the ranks' average summed so"
+    " far, where DDP shows each rank its own unsynchronised sum; from the last micro-batch on (on_before_optimizer_step"
+    " included) both are the same average. HINT: ShardLabStrategy(accumulation='defer') keeps each rank's own"
+    " gradients until the last micro-batch, as DDP does."
+)
 LABEL = "read"  # every read's collective is labelled "read <what> <name>": what the mismatch message shows
 
 
@@ -70,11 +78,20 @@ class Source:
     comm: Comm
     reads: ShardReads
     wrote: Callable[[], None] | None = None
+    note: str | None = None  # said once per run when it is read: how its values differ from what DDP shows
 
     def derived(self, piece: Tensor) -> Source:
         """The same layout over a computed piece (an elementwise result): reads of it cost what reads of this do."""
         return Source(
-            self.name, self.what, lambda: piece, self.parts, self.rank, self.world_rank, self.comm, self.reads
+            self.name,
+            self.what,
+            lambda: piece,
+            self.parts,
+            self.rank,
+            self.world_rank,
+            self.comm,
+            self.reads,
+            note=self.note,
         )
 
     @property
@@ -124,6 +141,8 @@ def serve(func: Any, args: tuple, kwargs: dict) -> Any:
     found = [(t, s) for t in _tensors(args, kwargs) if (s := source_of(t)) is not None]
     for t, s in found:
         s.reads.check_open(t, s, getattr(func, "__name__", str(func)))
+        if s.note is not None:
+            s.reads.say_once(s.note)
     self, source = (args[0], source_of(args[0])) if args else (None, None)
     if source is not None and func in SAME:
         if isinstance(self, ShardRead):
@@ -482,7 +501,15 @@ class ShardReads:
         self.comm = comm  # the shard group: every piece of a flat parameter is on one of its ranks
         self.serving = False
         self.shown: dict[int, tuple[nn.Parameter, ShardRead, FlatParam, int]] = {}  # id(param) -> its gradient
+        self.accumulating: list[tuple[nn.Parameter, ShardRead]] = []  # before an accumulation's last micro-batch
+        self._said: set[str] = set()
         self._me = weakref.ref(self)
+
+    def say_once(self, note: str) -> None:
+        if note not in self._said:
+            self._said.add(note)
+            if self.comm.rank == 0:
+                warnings.warn(note, stacklevel=4)
 
     def register_weights(self, flat_params: list[FlatParam]) -> None:
         """Let the stage-3 parameters of ``flat_params`` be read at rest (their values: this rank's master slice)."""
@@ -503,10 +530,11 @@ class ShardReads:
         if last_call and self.serving:
             collectives.barrier(self.comm, label="end of hook reads")
         self.serving = False
-        for param, grad, _, _ in self.shown.values():
+        for param, grad in [*((p, g) for p, g, _, _ in self.shown.values()), *self.accumulating]:
             if param.grad is grad:
                 param.grad = None
         self.shown.clear()
+        self.accumulating.clear()
 
     def check_open(self, tensor: Tensor, source: Source, op: str) -> None:
         if self.serving:
@@ -554,6 +582,32 @@ class ShardReads:
 
         return Source(slot.name, "gradient", piece, _parts(fp, i), fp.rank, fp.world_rank, self.comm, self)
 
+    def show_accumulating_grads(self, fp: FlatParam) -> None:
+        """Before the last micro-batch of an accumulation (``accumulation='reduce'``): each micro-batch was reduced
+        into the grad shard as it went, so what a hook can read is the ranks' average summed so far, not the rank's
+        own sum that DDP shows there (its all-reduce waits for the last micro-batch). Shown as ``.grad``, with a
+        note said once when it is read; never a silent ``None``."""
+        if not self.serving or fp.grad_shard is None:
+            return
+        for i, param in enumerate(fp.params):
+            if not param.requires_grad or param.grad is not None:
+                continue
+            slot = fp.layout.slots[i]
+            lo, hi = fp.layout.slot_in_shard(slot, fp.rank)
+            shard = fp.grad_shard
+
+            def piece(shard: Tensor = shard, lo: int = lo, hi: int = hi) -> Tensor:
+                return shard[lo:hi]
+
+            source = Source(
+                slot.name, "gradient", piece, _parts(fp, i), fp.rank, fp.world_rank, self.comm, self, note=ACCUMULATING
+            )
+            with torch._C.DisableTorchFunctionSubclass():
+                shape, dtype, device = param.shape, param.dtype, param.device
+            grad = ShardRead.make(source, shape, dtype, device)
+            param.grad = grad
+            self.accumulating.append((param, grad))
+
     def settle(self) -> None:
         """Before a backward or an optimizer step: what the user did to a shown ``.grad`` reaches the master views.
         Set to None (``module.zero_grad()``): the master view lets go of it too, as DDP's optimizer then skips the
@@ -582,10 +636,11 @@ class ShardReads:
         """Before backward: autograd accumulates into ``.grad`` and the reduction reads it, so no stand-in may stay
         there (the values stay in the master views, where ``gradients.accumulate`` takes them from)."""
         self.settle()
-        for param, grad, _, _ in self.shown.values():
+        for param, grad in [*((p, g) for p, g, _, _ in self.shown.values()), *self.accumulating]:
             if param.grad is grad:
                 param.grad = None
         self.shown.clear()
+        self.accumulating.clear()
 
 
 def _parts(fp: FlatParam, i: int) -> tuple[tuple[int, int], ...]:

@@ -259,6 +259,8 @@ class ShardedModel:
             else:
                 for unit in pending:
                     unit.end_reduction()
+                    for fp in unit.flat_params:  # before the last micro-batch: the average so far, with a note
+                        self.reads.show_accumulating_grads(fp)
         for unit in self.units:
             if not (unit.is_root and self._root_held):
                 unit.reshard()

@@ -9,6 +9,8 @@ averaging_subclasses.py users' subclasses of both run over that machinery, their
 average_readers.py      a subclass that reads the whole averaged module: found, and refused naming its method
 lightning_callbacks.py  Lightning's ``ModelPruning`` and ``BaseFinetuning`` on sharded parameters
 compiled.py             ``trainer.fit(torch.compile(model))``: Lightning's check admits the strategy
+checkpoint_io.py        a user's ``CheckpointIO`` plugin writes the checkpoints (one file each), as under DDP
+loop_collectives.py     Lightning's per-batch SIGTERM broadcast through the verified collectives
 spawn_launcher.py       ``start_method`` spawn/fork (``shardlab_spawn``, ``shardlab_notebook``): ranks started here
 spawn_results.py        what such ranks send back: whole weights, the callbacks' best path, score and state
 """
