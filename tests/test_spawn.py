@@ -32,7 +32,7 @@ from torch.multiprocessing.spawn import ProcessContext
 from torch.testing import assert_close
 
 import lightning_shardlab
-from lightning_shardlab import ShardLabBudget, ShardLabVitals
+from lightning_shardlab import ShardLabBudget, ShardLabSanity, ShardLabVitals
 from lightning_shardlab import fabric as shardlab_fabric
 from lightning_shardlab.common.distributed import NAMES, START_PREFIXES
 from lightning_shardlab.common.process_start import refuse_unpicklable
@@ -228,6 +228,28 @@ def test_a_rank_that_dies_is_named_and_no_rank_is_left(tmp_path: Path, monkeypat
         trainer.fit(_Dies(), OrderedData(regression_dataset(SAMPLES), LOCAL_BATCH))
     text = str(failed.value) + "".join(getattr(failed.value, "__notes__", []))
     assert "[rank 1]" in text and "exit code 3" in text and "HINT" in text, text
+    assert all(not p.is_alive() for p in trainer.strategy.launcher.procs)
+    assert _new_children() == []
+
+
+class _Hangs(SpawnNet):
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if self.global_rank == 1 and batch_idx == 1:
+            time.sleep(600)  # hangs in Python: rank 0 waits for it in the next collective
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_rank_that_hangs_is_named_and_no_rank_is_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard's watchdog ends a hang in forked ranks as in launched ones: the call raises, naming the rank and
+    the collective, within collective_timeout_s + poll_s + grace_s and the join, and no rank is left running."""
+    watch = ShardLabSanity(collective_timeout_s=2.0, poll_s=0.2, grace_s=1.0)
+    trainer = _trainer("shardlab_notebook", tmp_path, monkeypatch, enable_checkpointing=False, callbacks=[watch])
+    started = time.monotonic()
+    with pytest.raises(Exception) as failed:
+        trainer.fit(_Hangs(), OrderedData(regression_dataset(SAMPLES), LOCAL_BATCH))
+    assert time.monotonic() - started < 60
+    text = str(failed.value) + "".join(getattr(failed.value, "__notes__", []))
+    assert "missing: rank 1" in text and "collective_timeout_s=2" in text and "HINT" in text, text
     assert all(not p.is_alive() for p in trainer.strategy.launcher.procs)
     assert _new_children() == []
 
