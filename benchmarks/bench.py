@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.ranks import run_ranks, timing_trainer
-from benchmarks.sections import kept_sections
+from benchmarks.sections import kept_sections, snippet_markers
 
 HERE = Path(__file__).resolve().parent
 SETTINGS = {
@@ -253,6 +253,7 @@ def write_report(samples: dict, args: argparse.Namespace, out: Path) -> None:
         summary = {v: _summary(runs) for v, runs in variants.items() if runs}
         cfg = SETTINGS[setting]
         lines += [
+            snippet_markers(setting)[0],  # the manual includes each setting's tables: docs/performance.md
             f"## {setting}: {next(iter(summary.values()))['params']:,} parameters, {cfg['n_layer']} layers, "
             f"width {cfg['n_embd']}, {cfg['block_size']} tokens, batch {cfg['batch']} per rank",
             "",
@@ -274,6 +275,7 @@ def write_report(samples: dict, args: argparse.Namespace, out: Path) -> None:
             lines[-1] += f" {theory / 1e6:.2f} MB ({s['bytes'] / theory:.3f}x) |" if theory and s["bytes"] else " - |"
         lines.append("")
         lines += targets(setting, summary)
+        lines += [snippet_markers(setting)[1], ""]
     gpu = out / "GPU.md"
     lines += [
         "## GPU",

@@ -1,4 +1,10 @@
-"""RESULTS.md is written by several benchmarks: bench.py owns the file, the others each own a marked section."""
+"""RESULTS.md is written by several benchmarks: bench.py owns the file, the others each own a marked section.
+
+Each section also carries the manual's snippet markers (``<!-- --8<-- [start:name] -->`` ... ``[end:name]``), inside
+its begin/end markers, so a page of docs/ includes the section as the benchmark wrote it
+(``--8<-- "benchmarks/RESULTS.md:name"``) instead of copying its figures: a rewrite must keep them, or the manual's
+build fails on the missing section.
+"""
 
 from __future__ import annotations
 
@@ -17,9 +23,26 @@ MARKERS = {
 }
 
 
+def snippet_markers(name: str) -> tuple[str, str]:
+    """The manual's (pymdownx.snippets) start and end markers of section ``name``: HTML comments, unseen on GitHub."""
+    return f"<!-- --8<-- [start:{name}] -->", f"<!-- --8<-- [end:{name}] -->"
+
+
+def with_snippet_markers(name: str, text: str) -> str:
+    """``text`` (a section between its begin/end markers) with the snippet markers just inside them, once."""
+    begin, end = MARKERS[name]
+    start, stop = snippet_markers(name)
+    if start not in text:
+        text = text.replace(begin, f"{begin}\n{start}", 1)
+    if stop not in text:
+        text = text.replace(end, f"{stop}\n{end}", 1)
+    return text
+
+
 def replace_section(path: Path, name: str, text: str) -> None:
     """Replace section ``name`` of ``path`` with ``text`` (which carries the markers), or append it."""
     begin, end = MARKERS[name]
+    text = with_snippet_markers(name, text)
     old = path.read_text() if path.exists() else ""
     if begin in old and end in old:
         old = old[: old.index(begin)].rstrip() + old[old.index(end) + len(end) :]

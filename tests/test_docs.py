@@ -134,6 +134,39 @@ def test_readme_links_reach_a_file_and_its_heading() -> None:
     assert broken == [], f"README.md links to what is not there: {broken}"
 
 
+INCLUDE = re.compile(r'^--8<-- "([^":]+)(?::(\w+))?"$', re.M)
+
+
+def test_a_rewritten_results_section_keeps_the_markers_the_manual_includes(tmp_path: Path) -> None:
+    """A benchmark rewriting its section of RESULTS.md (its text without snippet markers) leaves the section in place
+    for the pages that include it, and bench.py's rewrite of the rest keeps it whole."""
+    from benchmarks.sections import MARKERS, kept_sections, replace_section, snippet_markers
+
+    results = tmp_path / "RESULTS.md"
+    results.write_text((ROOT / "benchmarks" / "RESULTS.md").read_text())
+    begin, end = MARKERS["time_cost"]
+    replace_section(results, "time_cost", f"{begin}\n## What measuring time costs\n\nrewritten\n{end}")
+    start, stop = snippet_markers("time_cost")
+    text = results.read_text()
+    assert text.count(start) == 1 and text.count(stop) == 1
+    assert "rewritten" in text[text.index(start) : text.index(stop)]
+    assert all(name in kept_sections(results) for name in snippet_markers("hook_reads"))
+
+
+def test_every_include_of_a_page_names_a_file_and_its_section() -> None:
+    """The pages take benchmark figures from the files by include (``--8<-- "benchmarks/RESULTS.md:name"``); each
+    names a file of the repository and, where it names a section, one marked in that file (mkdocs fails on a missing
+    one too, but only in scripts/test.sh)."""
+    found = [m.groups() for page in SOURCES[1:] for m in INCLUDE.finditer(page.read_text())]
+    assert len(found) >= 15, found
+    missing = [
+        (path, name)
+        for path, name in found
+        if not (ROOT / path).is_file() or (name and f"[start:{name}]" not in (ROOT / path).read_text())
+    ]
+    assert missing == [], f"includes of what is not there: {missing}"
+
+
 @pytest.mark.parametrize("snippet", ALL, ids=[s.where for s in ALL])
 def test_snippet_runs(snippet: Snippet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     found = MARKER.match(snippet.marker or "")
