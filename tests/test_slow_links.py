@@ -6,15 +6,21 @@
   size, off, changes nothing and the ledger shows only fp32), bf16 traffic summed in fp32 (1 + 2^-8 averages
   exactly, where a bf16 sum rounds it away), int8 gathers (every rank computes with the same unpacked weights,
   masters exact), int8 reductions' error feedback (the residual after a call is what packing lost, carried into
-  the next step), each option's bytes in the ledger under its wire dtype;
+  the next step), each option's bytes in the ledger under its wire dtype, the residuals' memory measured = predicted,
+  the int8 gathers' error per unit against the masters (by hand), sampled packed reductions set against exact ones
+  (training unchanged, the extra calls under their own label);
+- the budget's option-error figures combined over ranks by hand, its tables, and ``shardlab plan``'s time saved per
+  option (by hand: (N-1)/N of the bytes saved over the link's bandwidth);
 - error feedback into checkpoints: a Trainer run with ``reduce_dtype='int8'`` resumed from its checkpoint equals
-  the uninterrupted run bit for bit;
+  the uninterrupted run bit for bit (the straight run sampled by ``ShardLabBudget(error_every=2)``: its JSON has the
+  error per sampled step and the residuals' memory);
 - the emulated link (benchmarks/slow_link.py): 2 nodes x 1 rank at stage 3 train to the same weights, bit for bit,
   as the same run on loopback, and the link probe cannot read faster than the shaped rate.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -25,8 +31,9 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from lightning_shardlab import ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
+from lightning_shardlab import ShardLabBudget, ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
 from lightning_shardlab.comm.packing import Packing, dequantize, quantize
+from lightning_shardlab.sharding.reduce_sample import EXACT_LABEL as EXACT
 from tests.helpers.launch import run_ranks
 from tests.helpers.reference import init_from_env, shutdown
 from tests.models import OddNet, OrderedData, TinyGPT, regression_batches, token_dataset
@@ -121,8 +128,10 @@ VARIANTS = {
 }
 
 
-def _train(comm, options: dict, steps: int = 4, local_batch: int = 3) -> dict:  # noqa: ANN001
+def _train(comm, options: dict, steps: int = 4, local_batch: int = 3, sample: bool = False) -> dict:  # noqa: ANN001
+    from lightning_shardlab.budget.measured.option_error import gather_error_sums
     from lightning_shardlab.checkpoint.save_load import full_state_dict
+    from lightning_shardlab.sharding.reduce_sample import EXACT_LABEL, ReduceSample
 
     torch.manual_seed(0)
     model = OddNet()
@@ -130,10 +139,13 @@ def _train(comm, options: dict, steps: int = 4, local_batch: int = 3) -> dict:  
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     shard_optimizer(optimizer, sharded)
     mine = slice(comm.rank * local_batch, (comm.rank + 1) * local_batch)
-    residuals = []
+    residuals, samples = [], []
     for step, (x, y) in enumerate(regression_batches(steps, local_batch * comm.world_size)):
         if step == 1:
             comm.ledger.reset()  # the steady steps: the first learns the order its units run in
+        sampled = ReduceSample() if sample else None  # every step also reduces exactly, beside the packed one
+        for unit in sharded.units:
+            unit.reduce_sample = sampled
         optimizer.zero_grad()
         with sharded.step(keep_root_gathered=True):
             loss = F.mse_loss(model(x[mine]), y[mine])
@@ -141,8 +153,11 @@ def _train(comm, options: dict, steps: int = 4, local_batch: int = 3) -> dict:  
         loss.backward()
         optimizer.step()
         residuals.append({fp.layout.name: fp.residual.clone() for fp in sharded.flat_params if fp.residual is not None})
+        samples.append(sampled.sums if sampled else {})
     by_dtype = {key: (t.count, t.bytes) for key, t in comm.ledger.by_dtype.items()}
+    exact_calls = [(k, t.count, t.bytes) for k, t in comm.ledger.by_call.items() if k[2] == EXACT_LABEL and t.count]
     predicted = _predicted(sharded, steps - 1)
+    memory = _memory(sharded, optimizer)
     unit = sharded.units[1]  # blocks.0: gathered for a look at what every rank computes with
     unit.unshard()
     gathered = {fp.layout.name: (fp.full.clone(), fp.shard.clone(), fp.master.clone()) for fp in unit.flat_params}
@@ -156,6 +171,33 @@ def _train(comm, options: dict, steps: int = 4, local_batch: int = 3) -> dict:  
         "gathered": gathered,
         "packing": packing,
         "predicted": predicted,
+        "memory": memory,
+        "samples": samples,
+        "exact_calls": exact_calls,
+        "gather_error": gather_error_sums(sharded),
+        "packed_layouts": {fp.layout.name: fp.layout.padded_numel for fp in sharded.flat_params if fp.reduce_packing},
+    }
+
+
+def _memory(sharded, optimizer) -> dict:  # noqa: ANN001
+    """The budget's memory between steps, measured from the real tensors and predicted from the layout."""
+    from lightning_shardlab.budget.measured.memory import measure_memory
+    from lightning_shardlab.budget.predicted.zero_table import predict_memory
+    from lightning_shardlab.sharding.optimizer import OptimizerShape
+
+    layouts = [fp.layout for fp in sharded.flat_params]
+    shape = OptimizerShape.of(optimizer)
+    return {
+        "measured": measure_memory(sharded.flat_params, [optimizer]),
+        "predicted": predict_memory(
+            layouts,
+            sharded.config.stage,
+            sharded.policy,
+            sharded.comm.rank,
+            shape,
+            error_feedback=sharded.config.reduce_dtype == "int8",
+        ),
+        "residuals": sum(fp.residual.nbytes for fp in sharded.flat_params if fp.residual is not None),
     }
 
 
@@ -202,6 +244,7 @@ def packed_runs() -> dict:
     """Worker (2 ranks): every variant's stage-3 training of OddNet, and the direct collective checks."""
     comm = init_from_env()
     report = {name: _train(comm, options) for name, options in VARIANTS.items()}
+    report["sampled"] = {name: _train(comm, VARIANTS[name], sample=True) for name in ("bf16_reduce", "int8_reduce")}
     report["direct"] = _bf16_sum_and_feedback(comm)
     shutdown()
     return report
@@ -286,10 +329,130 @@ def test_int8_error_feedback_keeps_what_packing_lost_across_steps(packed: list[d
     assert not torch.equal(packed[0]["direct"]["after"], packed[1]["direct"]["after"])  # each rank its own
 
 
+def test_error_feedback_residual_is_in_the_budget_measured_and_predicted(packed: list[dict]) -> None:
+    for report in packed:
+        for name in VARIANTS:
+            memory = report[name]["memory"]
+            measured, predicted = memory["measured"]["error_feedback"], memory["predicted"]["error_feedback"]
+            assert measured == predicted == memory["residuals"], (name, memory)  # the real tensors' bytes
+            assert (measured > 0) == (name == "int8_reduce"), (name, measured)
+        residuals = report["int8_reduce"]["residuals"][-1]
+        assert report["int8_reduce"]["memory"]["residuals"] == 4 * sum(r.numel() for r in residuals.values())
+
+
+def test_memory_table_shows_error_feedback_only_where_a_residual_is_kept() -> None:
+    from rich.console import Console
+
+    from lightning_shardlab.budget.tables import memory_table
+
+    def table_of(residual: int) -> str:
+        memory = {"params": 1 << 20, "grads": 1 << 20, "master": 0, "optimizer_state": 2 << 20, "padding": 0}
+        memory["error_feedback"] = residual
+        gathered = {**memory, "gathered_peak": 0}
+        report = {"rank": 0, "stage": 3, "world_size": 2, "precision": "32-true", "process_peak_bytes": 0}
+        console = Console(width=250, record=True)
+        console.print(memory_table([{**report, "memory_measured": gathered, "memory_predicted": gathered}]))
+        return console.export_text()
+
+    assert "error_feedback" not in table_of(0)  # the defaults' table, as it was
+    shown = table_of(3 << 20)
+    assert "error_feedback" in shown and "3.00 (3.00)" in shown and "7.00 (7.00)" in shown, shown  # in model state
+
+
+def test_int8_gather_error_per_unit_is_the_gathered_weights_against_the_masters(packed: list[dict]) -> None:
+    from lightning_shardlab.budget.measured.option_error import combine
+
+    for report in packed:
+        assert report["default"]["gather_error"] == {} and report["int8_reduce"]["gather_error"] == {}  # off: none
+    figures = combine([report["int8_gather"]["gather_error"] for report in packed])
+    full, _, master = packed[0]["int8_gather"]["gathered"]["blocks.0[float32]"]  # unit blocks.0: one flat param
+    masters = torch.cat([report["int8_gather"]["gathered"]["blocks.0[float32]"][2] for report in packed])
+    real = sum(report["int8_gather"]["gathered"]["blocks.0[float32]"][2].numel() for report in packed)
+    error = full[:real] - masters[:real]  # what every rank computes with, against every rank's masters, by hand
+    assert figures["blocks.0"]["max_abs"] == pytest.approx(error.abs().max().item(), rel=1e-6)
+    assert figures["blocks.0"]["rel_l2"] == pytest.approx((error.norm() / masters[:real].norm()).item(), rel=1e-5)
+    assert 0 < figures["blocks.0"]["rel_l2"] < 0.02  # int8 blocks of 16: a fraction of a step each
+
+
+def test_sampled_reduction_error_is_measured_beside_an_exact_reduction(packed: list[dict]) -> None:
+    from lightning_shardlab.budget.measured.option_error import combine
+    from lightning_shardlab.sharding.reduce_sample import EXACT_LABEL
+
+    for name, bound in (("bf16_reduce", 2.0**-8), ("int8_reduce", 0.05)):
+        runs = [report["sampled"][name] for report in packed]
+        assert _equal_states(runs[0]["state"], packed[0][name]["state"])  # sampling changes nothing it trains
+        for step in range(4):
+            figures = combine([run["samples"][step] for run in runs])
+            assert set(figures) >= {"blocks.0", "blocks.1"}, figures
+            for unit in ("blocks.0", "blocks.1"):
+                assert 0 < figures[unit]["rel_l2"] < bound, (name, step, unit, figures[unit])
+        # one exact fp32 reduce-scatter per packed flat parameter per sampled step, under its own label
+        (_, kind, label), calls, nbytes = runs[0]["exact_calls"][0]
+        assert len(runs[0]["exact_calls"]) == 1 and (kind, label) == ("reduce_scatter", EXACT_LABEL)
+        layouts = runs[0]["packed_layouts"]
+        assert (calls, nbytes) == (3 * len(layouts), 3 * 4 * sum(layouts.values())), runs[0]["exact_calls"]
+        assert packed[0][name]["exact_calls"] == []  # not sampled: no extra call
+
+
+def test_option_error_is_combined_over_ranks_by_hand_and_absent_by_default() -> None:
+    from lightning_shardlab.budget.measured.option_error import combine, option_error
+
+    figures = combine([{"u": [9.0, 100.0, 2.0]}, {"u": [16.0, 300.0, 3.0]}])
+    assert figures == {"u": {"max_abs": 3.0, "rel_l2": 0.25}}  # sqrt(25 / 400)
+    assert option_error([{"rank": 0}, {"rank": 1}]) == {}  # the defaults: nothing in the JSON, no table
+    sums = [{"gather": {}, "reduce": [(1, {"u": [1.0, 4.0, 1.0]})], "reduce_every": 50}] * 2
+    reduce = option_error([{"option_error_sums": s} for s in sums])["reduce"]
+    assert reduce == {"every": 50, "steps": [1], "by_step": [{"u": {"max_abs": 1.0, "rel_l2": 0.5}}]}
+    from rich.console import Console
+
+    from lightning_shardlab.budget.tables import option_error_table
+
+    console = Console(width=250, record=True)
+    console.print(option_error_table({"gather": figures, "reduce": reduce}))
+    shown = console.export_text()
+    assert "int8 gathers" in shown and "packed reduction" in shown and "1, one in 50" in shown, shown
+    assert "0.25" in shown and "0.5" in shown, shown
+    with pytest.raises(ValueError, match=r"error_every=0.*integer >= 1.*HINT"):
+        ShardLabBudget(error_every=0)
+
+
+# ---- the plan: each option's time saved per step ----
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_plan_shows_each_options_time_saved_per_step(stage: int) -> None:
+    from rich.console import Console
+
+    from lightning_shardlab.budget.predicted.plan import plan_model
+    from lightning_shardlab.budget.predicted.zero_table import INTERCONNECTS
+    from lightning_shardlab.cli.plan_tables import options_table
+
+    with torch.device("meta"):
+        model = TinyGPT()
+    link = INTERCONNECTS["10gbe"]
+    config = ShardLabConfig(stage=stage, unit_bucket_params=0)
+    plan = plan_model(model, config, 4, "32-true", "adamw", link, "TinyGPT")
+    rows = {row["option"]: row for row in plan.options}
+    exact = rows.pop("exact")
+    assert exact["comm_seconds"] == plan.comm_seconds and exact["saved_seconds"] == 0  # the plan's own figure
+    gathers = {"gather_dtype='int8'", "gather_dtype='int8' + reduce_dtype='int8'"}
+    assert (gathers <= rows.keys()) == (stage == 3) and "reduce_dtype='int8'" in rows  # int8 gathers: stage 3 only
+    reduced = plan.traffic["reduce_scatter_bytes"]  # fp32 full tensors: bf16 halves them
+    assert rows["reduce_dtype='bf16'"]["bytes"] == exact["bytes"] - reduced // 2
+    for name, row in rows.items():  # by hand: a ring moves (N-1)/N of the bytes; the same calls, the same latency
+        saved = 3 / 4 * (exact["bytes"] - row["bytes"]) / link.bandwidth
+        assert 0 < row["saved_seconds"] == pytest.approx(saved, rel=1e-9), (name, row)
+    assert rows["reduce_dtype='int8'"]["saved_seconds"] > rows["reduce_dtype='bf16'"]["saved_seconds"]
+    console = Console(width=200, record=True)
+    console.print(options_table(plan))
+    shown = console.export_text()
+    assert "saved per step" in shown and "reduce_dtype='int8'" in shown and "10 Gigabit Ethernet" in shown, shown
+
+
 # ---- error feedback into checkpoints: resume exact ----
 
 
-def _fit(epochs: int, seed: int, callbacks: list, ckpt_path: str | None = None) -> L.Trainer:
+def _fit(epochs: int, seed: int, callbacks: list, ckpt_path: str | None = None, root: str = ".") -> L.Trainer:
     torch.manual_seed(seed)
     model = TinyGPT()
     trainer = L.Trainer(
@@ -297,8 +460,9 @@ def _fit(epochs: int, seed: int, callbacks: list, ckpt_path: str | None = None) 
         devices=2,
         strategy=ShardLabStrategy(stage=3, reduce_dtype="int8", quant_block_size=64),
         max_epochs=epochs,
-        enable_checkpointing=bool(callbacks),
+        enable_checkpointing=any(not isinstance(c, ShardLabBudget) for c in callbacks),
         callbacks=callbacks,
+        default_root_dir=root,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -318,11 +482,12 @@ def resume_with_residuals(tmp: str) -> dict:
         state = {k: v.clone() for k, v in trainer.strategy.full_state_dict().items()}
         return state, {fp.layout.name: fp.residual.clone() for fp in sharded.flat_params if fp.residual is not None}
 
-    straight = weights_and_residuals(_fit(2, 0, []))
+    budget = ShardLabBudget(error_every=2)  # the straight run samples its reduction's error: steps 0 and 2 of 4
+    straight = weights_and_residuals(_fit(2, 0, [budget], root=tmp))
     saver = ModelCheckpoint(dirpath=tmp, save_last=True, save_top_k=0)
     _fit(1, 0, [saver])
     resumed = weights_and_residuals(_fit(2, 123, [], ckpt_path=saver.last_model_path))
-    return {"straight": straight, "resumed": resumed, "rank": int(os.environ["RANK"])}
+    return {"straight": straight, "resumed": resumed, "rank": int(os.environ["RANK"]), "budget": budget.reports}
 
 
 def test_error_feedback_residual_resumes_exactly(tmp_path: Path) -> None:
@@ -332,6 +497,19 @@ def test_error_feedback_residual_resumes_exactly(tmp_path: Path) -> None:
         assert residuals and residuals.keys() == residuals_r.keys()
         assert all(torch.equal(residuals[k], residuals_r[k]) for k in residuals), report["rank"]
     assert _equal_states(reports[0]["straight"][0], reports[0]["resumed"][0])  # weights bit for bit
+    # ... though the straight run was sampled for its reduction's error: the budget's JSON and tables have it
+    everyone = reports[0]["budget"]
+    error = json.loads((tmp_path / "shardlab_budget.json").read_text())[0]["option_error"]
+    assert error["reduce"]["every"] == 2 and error["reduce"]["steps"] == [1, 3], error
+    for figures in error["reduce"]["by_step"]:
+        assert figures and all(0 < f["rel_l2"] < 0.1 for f in figures.values()), figures  # by unit (TinyGPT: root)
+    assert "gather" not in error  # int8 gathers are off
+    for r in everyone:
+        measured, predicted = r["memory_measured"]["error_feedback"], r["memory_predicted"]["error_feedback"]
+        assert measured == predicted > 0, (measured, predicted)  # the residuals' memory, in the budget
+        pred = r["comm_predicted_per_step"]  # the sampled exact calls stay out of the predicted figures
+        assert r["comm_per_step"]["reduce_scatter"]["bytes"] == pred["reduce_scatter_bytes"], r["comm_per_step"]
+        assert any(EXACT in call for call in r["comm_per_step_by_unit"]), r["comm_per_step_by_unit"]
 
 
 # ---- the emulated link: 2 nodes x 1 rank against loopback ----

@@ -26,6 +26,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from rich.console import Console
 
@@ -33,6 +34,7 @@ from lightning_shardlab.budget.bars import write_bars
 from lightning_shardlab.budget.measured.activations import ActivationMeter
 from lightning_shardlab.budget.measured.local_link import measure_run_link
 from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES, live_storages, measure_memory
+from lightning_shardlab.budget.measured.option_error import gather_error_sums, option_error
 from lightning_shardlab.budget.measured.step_peak import StepPeak
 from lightning_shardlab.budget.measured.step_time import TimeMeter, align_timelines
 from lightning_shardlab.budget.measured.tiers import tier_counters
@@ -46,6 +48,7 @@ from lightning_shardlab.budget.report import Measured, Run, rank_report
 from lightning_shardlab.budget.tables import print_budget
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.sharding.lookup import sharded_model_of
+from lightning_shardlab.sharding.reduce_sample import ReduceSample
 
 DATA_AS_MEASURED = "as measured (the run's own data loading: not predicted)"
 STEP_KEYS = (*MEMORY_CATEGORIES, "gathered_peak", "comm_bytes", "comm_seconds", "step_seconds")
@@ -64,12 +67,25 @@ class ShardLabBudget(L.Callback):
         json_name: str = "shardlab_budget.json",
         step_peak: bool = False,
         timeline: bool = False,
+        error_every: int = 50,
     ) -> None:
         """``step_peak``: profile the first step after the warm-up (optimizer state made, prefetch order known) to
         measure its peak of tensor memory by phase (budget/measured/step_peak.py; on CPU through torch's memory
         profiler, which slows that step, so it is left out of the timings). ``timeline``: draw one steady step of
         every rank beside the JSON (``shardlab_timeline.png``, and ``shardlab_timeline.trace.json`` for Perfetto
-        or chrome://tracing: budget/timeline_picture.py)."""
+        or chrome://tracing: budget/timeline_picture.py). ``error_every`` K: with a packed ``reduce_dtype``, one
+        optimizer step in K (the first included) also reduces its gradients exactly, to set the packed result
+        against (one extra reduce-scatter per flat parameter: sharding/reduce_sample.py); nothing without one."""
+        if isinstance(error_every, bool) or not isinstance(error_every, int) or error_every < 1:
+            raise ValueError(
+                f"[rank {rank_zero_only.rank}] ShardLabBudget(error_every={error_every!r}): it is the optimizer steps"
+                " between two samples of a packed reduction's error, an integer >= 1. HINT: error_every=50 samples"
+                " one step in 50; a large value samples rarely."
+            )
+        self.error_every = error_every
+        self.reduce_samples: list[tuple[int, dict[str, list[float]]]] = []  # (optimizer step, sums by unit)
+        self._sample: ReduceSample | None = None  # the sampled step's comparisons, while it runs
+        self._sample_step = 0  # the optimizer steps done when it began
         self.console = console or Console()
         self.json_name = json_name
         self.measure_step_peak = step_peak
@@ -194,6 +210,7 @@ class ShardLabBudget(L.Callback):
         self._batch_start(run, batch)
 
     def _batch_start(self, run: Run, batch: Any = None) -> None:
+        self._start_sample(run.sharded, run.step)
         run.sharded.comm.ledger.reset_peak()
         self._comm_before = self._comm_totals(run.sharded.comm.ledger)
         self._io_before = tier_counters(run.sharded)
@@ -226,8 +243,29 @@ class ShardLabBudget(L.Callback):
         if run is not None:
             self._batch_end(run)
 
+    def _start_sample(self, sharded: Any, step: int) -> None:
+        """Every rank alike (the same step count): the packed reductions of this optimizer step set against exact
+        ones, if it is one in ``error_every`` and some flat parameter's reduction is packed."""
+        if self._sample is not None or step % self.error_every:
+            return
+        if not any(fp.reduce_packing is not None for fp in sharded.flat_params):
+            return
+        self._sample, self._sample_step = ReduceSample(), step
+        for unit in sharded.units:
+            unit.reduce_sample = self._sample
+
+    def _end_sample(self, sharded: Any, step: int) -> None:
+        """The optimizer stepped: keep the sampled step's sums, and reduce exactly no more."""
+        if self._sample is None or step == self._sample_step:  # a micro-batch: the step goes on
+            return
+        self.reduce_samples.append((step, self._sample.sums))
+        self._sample = None
+        for unit in sharded.units:
+            unit.reduce_sample = None
+
     def _batch_end(self, run: Run) -> None:
         sharded = run.sharded
+        self._end_sample(sharded, run.step)
         seconds = time.perf_counter() - self._started
         if self.activations is not None:
             self.activations.stop()
@@ -322,6 +360,9 @@ class ShardLabBudget(L.Callback):
         if run.rank != 0:
             return everyone
         align_timelines(everyone)
+        error = option_error(everyone)
+        if error:  # only where a fewer-bytes option is on
+            everyone[0]["option_error"] = error
         print_budget(self.console, everyone)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / self.json_name).write_text(json.dumps(everyone, indent=1))
@@ -350,6 +391,13 @@ class ShardLabBudget(L.Callback):
             self.activations = None
         measured = Measured(self.last, training, step_seconds, steps, self.storage_io, activations, self.peaks)
         report = {**rank_report(run, measured), "activations_predicted": self.predicted_activations}
+        gathers = gather_error_sums(run.sharded)
+        if gathers or self.reduce_samples:
+            report["option_error_sums"] = {
+                "gather": gathers,
+                "reduce": self.reduce_samples,
+                "reduce_every": self.error_every,
+            }
         report["step_peak_predicted"] = predict_step_peak(report, self.predicted_timeline, self.predicted_optimizer)
         if self.time is not None:  # collective: the last exchange of the step clock
             report.update(self.time.report())

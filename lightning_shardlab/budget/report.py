@@ -32,6 +32,7 @@ from lightning_shardlab.budget.predicted.zero_table import (
 from lightning_shardlab.comm.packing import packing_for
 from lightning_shardlab.core.config import Accumulation
 from lightning_shardlab.sharding.lookup import sharded_model_of
+from lightning_shardlab.sharding.reduce_sample import EXACT_LABEL
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 Traffic = dict[tuple[str, str, str], tuple[float, float, float]]  # (scope, kind, label) -> calls, bytes, seconds
@@ -108,7 +109,13 @@ def rank_report(run: Run, measured: Measured) -> dict[str, Any]:
     if whole["optimizers"]:
         traffic = traffic.with_exchanges(whole["all_to_all_calls"], whole["all_to_all_bytes"])
     memory_predicted = predict_memory(
-        layouts, sharded.config.stage, sharded.policy, mesh.shard.rank, optimizer, offload_of(sharded)
+        layouts,
+        sharded.config.stage,
+        sharded.policy,
+        mesh.shard.rank,
+        optimizer,
+        offload_of(sharded),
+        error_feedback=sharded.config.reduce_dtype == "int8",
     )
     if whole["optimizers"]:  # each parameter's state by the optimizer that holds it
         memory_predicted["optimizer_state"] = state_bytes_predicted(sharded, run.optimizers)
@@ -170,7 +177,8 @@ def per_step(training: Traffic, steps: int) -> tuple[dict, ...]:
             continue
         name = f"{kind} {label}" if scope == "world" else f"{scope} {kind} {label}"
         entry_per_step = {"calls": count / steps, "bytes": nbytes / steps, "seconds": seconds / steps}
-        for entry in (comm[kind], by_scope[scope][kind], by_unit[name]):
+        sampled = label == EXACT_LABEL  # the budget's own extra call (reduce_sample.py): by call only, not predicted
+        for entry in (by_unit[name],) if sampled else (comm[kind], by_scope[scope][kind], by_unit[name]):
             for k, v in entry_per_step.items():
                 entry[k] += v
     return dict(comm), {scope: dict(kinds) for scope, kinds in by_scope.items()}, dict(by_unit)

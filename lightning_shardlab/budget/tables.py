@@ -36,6 +36,8 @@ def print_budget(console: Console, everyone: list[dict[str, Any]]) -> None:
         print_table(console, activations_table(everyone))
     if any(r.get("step_peak_measured") for r in everyone):
         print_table(console, step_peak_table(everyone))
+    if first.get("option_error"):
+        print_table(console, option_error_table(first["option_error"]))
     if any(r.get("time_measured") for r in everyone):
         print_table(console, time_table(everyone))
         for straggler in everyone[0].get("stragglers", []):
@@ -77,7 +79,7 @@ def memory_table(everyone: list[dict[str, Any]]) -> Table:
         title=f"shardlab budget: memory per rank between steps, MiB measured (predicted), stage {first['stage']},"
         f" {first['world_size']} ranks, {first['precision']}"
     )
-    cats = (*MEMORY_CATEGORIES, "gathered_peak")
+    cats = (*shown_categories(everyone), "gathered_peak")
     for col in ("rank", *cats, "model state", "process peak"):
         table.add_column(col, justify="right")
     for r in everyone:
@@ -86,6 +88,36 @@ def memory_table(everyone: list[dict[str, Any]]) -> Table:
         state = sum(m[c] for c in MEMORY_CATEGORIES if c != "padding")
         predicted = sum(p[c] for c in MEMORY_CATEGORIES if c != "padding")
         table.add_row(str(r["rank"]), *cells, f"{mib(state)} ({mib(predicted)})", mib(r["process_peak_bytes"]))
+    return table
+
+
+def shown_categories(everyone: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The memory categories to show: all but ``error_feedback`` where no rank keeps or expects a residual (the
+    defaults' table stays as it was)."""
+    kept = any(r[side].get("error_feedback", 0) for r in everyone for side in ("memory_measured", "memory_predicted"))
+    return tuple(c for c in MEMORY_CATEGORIES if kept or c != "error_feedback")
+
+
+def option_error_table(figures: dict[str, Any]) -> Table:
+    """Per unit, over every rank: the error a fewer-bytes option brings (budget/measured/option_error.py)."""
+    table = Table(
+        title="shardlab budget: the error each fewer-bytes option brings, per unit, over every rank",
+        caption="gather: the weights every rank computes with against the fp32 masters, as fit ended; reduce: the"
+        " reduced gradient against an exact fp32 reduction, sampled (last sampled step; worst relative L2 of all)",
+    )
+    for col in ("option", "unit", "max |error|", "relative L2", "worst relative L2", "sampled steps"):
+        table.add_column(col, justify="right")
+    for unit, e in (figures.get("gather") or {}).items():
+        table.add_row("int8 gathers", unit, f"{e['max_abs']:.3g}", f"{e['rel_l2']:.3g}", "-", "-")
+    reduce = figures.get("reduce")
+    if reduce and reduce["by_step"]:
+        last, steps = reduce["by_step"][-1], reduce["steps"]
+        sampled = f"{len(steps)}, one in {reduce['every']}"
+        for unit, e in last.items():
+            worst = max(step.get(unit, {}).get("rel_l2", 0.0) for step in reduce["by_step"])
+            table.add_row(
+                "packed reduction", unit, f"{e['max_abs']:.3g}", f"{e['rel_l2']:.3g}", f"{worst:.3g}", sampled
+            )
     return table
 
 

@@ -47,7 +47,8 @@ def print_plan(plan: Plan, console: Console) -> None:
     table.add_column("")
     table.add_column("per rank", justify="right")
     for cat in MEMORY_CATEGORIES:
-        table.add_row(cat, _gb(plan.memory_per_rank.get(cat, 0.0)))
+        if cat != "error_feedback" or plan.memory_per_rank.get(cat):  # a row only where int8 reductions keep one
+            table.add_row(cat, _gb(plan.memory_per_rank.get(cat, 0.0)))
     table.add_row("model state per rank", _gb(plan.model_state))
     table.add_row("unsharded (one device)", _gb(plan.unsharded_bytes))
     if plan.gathered_peak:
@@ -76,6 +77,8 @@ def print_plan(plan: Plan, console: Console) -> None:
         table.add_row("compute per step (estimate)", _ms(plan.compute_seconds))
         table.add_row("communication", verdict)
     print_table(console, table)
+    if plan.options:
+        print_table(console, options_table(plan))
     console.print(
         f"{plan.params:,} parameters, stage {plan.stage}, {_grouping(plan)}, {plan.precision}", soft_wrap=True
     )
@@ -87,6 +90,21 @@ def print_plan(plan: Plan, console: Console) -> None:
             " pieces (and values, unless the owner holds the parameter whole), one returns the new values.",
             soft_wrap=True,
         )
+
+
+def options_table(plan: Plan) -> Table:
+    """Each fewer-bytes option against the exact run: bytes moved per step, communication on the plan's links, and
+    the time saved per step (budget/predicted/option_savings.py)."""
+    link = plan.interconnect if plan.replicas == 1 else "both links"
+    table = Table(
+        title=f"shardlab plan: the fewer-bytes options per step on {link} (lower bounds)",
+        caption="saved: communication time only; packing and unpacking cost compute (docs/slow_links.md)",
+    )
+    for col in ("option", "moved per step", "communication >=", "saved per step"):
+        table.add_column(col, justify="left" if col == "option" else "right")
+    for row in plan.options or []:
+        table.add_row(row["option"], _gb(row["bytes"]), _ms(row["comm_seconds"]), _ms(row["saved_seconds"]))
+    return table
 
 
 def activation_rows(plan: Plan) -> list[tuple[str, str]]:

@@ -21,6 +21,7 @@ from lightning_shardlab.comm.collectives import Pending
 from lightning_shardlab.comm.mesh import Mesh
 from lightning_shardlab.sharding import gradients
 from lightning_shardlab.sharding.flat_param import FlatParam, storage_is_allocated
+from lightning_shardlab.sharding.reduce_sample import ReduceSample
 
 
 class UnitState(Enum):
@@ -88,6 +89,7 @@ class Unit:
         self._pending: list[tuple[FlatParam, Tensor, Tensor, Pending]] = []  # (fp, flat grad, new shard, work)
         self._crossing: list[tuple[FlatParam, Tensor, Pending]] = []  # hybrid: (fp, new shard, its all-reduce)
         self._gathering: list[Pending] = []  # all-gathers in flight into the full buffers
+        self.reduce_sample: ReduceSample | None = None  # set by the budget for a sampled step (reduce_sample.py)
 
     def __repr__(self) -> str:
         return f"Unit({self.name}, {self.state.value}, {self.training.value}, {len(self.flat_params)} flat params)"
@@ -218,6 +220,8 @@ class Unit:
         where ``reduce_dtype`` asks (int8: with this flat parameter's error-feedback residual), else exact."""
         if fp.reduce_packing is None:
             return collectives.reduce_scatter(new_shard, flat, self.shard_group, label=fp.layout.name, async_op=True)
+        if self.reduce_sample is not None and self.shard_group.world_size > 1:  # exact first, to set against
+            self.reduce_sample.reduce_exactly(fp, flat, self.shard_group)
         residual = fp.residual_buffer() if fp.error_feedback and self.shard_group.world_size > 1 else None
         return collectives.reduce_scatter_packed(
             new_shard, flat, self.shard_group, fp.reduce_packing, fp.layout.name, async_op=True, residual=residual
@@ -229,6 +233,8 @@ class Unit:
         replica = self.mesh.replica
         for fp, _flat_alive_until_done, new_shard, pending in self._pending:
             pending.wait()
+            if self.reduce_sample is not None:
+                self.reduce_sample.compare(self.name, fp, new_shard)
             if replica.world_size > 1:
                 crossing = collectives.launch_all_reduce(new_shard, replica, label=fp.layout.name)
                 self._crossing.append((fp, new_shard, crossing))

@@ -1,6 +1,7 @@
 """The measured side of the budget: figures read off the run itself, never estimated.
 
 memory.py        the bytes this rank holds right now, read from its tensors (traffic: comm/ledger.py)
+option_error.py  the error each fewer-bytes option brings, per unit: gathered weights, sampled reductions
 tiers.py         offload: the bytes in each tier (device, host, disk) and what moves between them per step
 activations.py   what autograd saves for backward in a training step, by unit
 step_peak.py     one step's peak of tensor memory by phase: the allocator (GPU), or live state + allocations (CPU)

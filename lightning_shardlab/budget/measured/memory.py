@@ -1,6 +1,7 @@
 """The budget, measured: the bytes this rank holds right now, read from the storages of its real tensors.
 
 Each storage is counted once, by category (the same categories predict.py uses); nothing is estimated.
+``error_feedback`` is the int8 reductions' residuals (``reduce_dtype='int8'``, docs/slow_links.md): 0 otherwise.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_shardlab.sharding.flat_param import FlatParam
 
-MEMORY_CATEGORIES = ("params", "grads", "master", "optimizer_state", "padding")
+MEMORY_CATEGORIES = ("params", "grads", "master", "optimizer_state", "error_feedback", "padding")
 
 
 def _storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
@@ -39,6 +40,7 @@ def category_tensors(flat_params: list[FlatParam], optimizers: Iterable[Optimize
         "grads": [fp.grad_shard for fp in flat_params if fp.grad_shard is not None]
         + [p.grad for fp in flat_params for p in fp.params if p.grad is not None],
         "optimizer_state": state,
+        "error_feedback": [fp.residual for fp in flat_params if fp.residual is not None],
     }
 
 

@@ -28,7 +28,8 @@ from lightning_shardlab.sharding.optimizer import OptimizerShape
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 TIERS = ("device", "host", "disk")
-CATEGORIES = tuple(c for c in MEMORY_CATEGORIES if c != "padding")
+# int8 reductions' residuals (error_feedback) are not offloaded: the memory table shows them, the tiers leave them out
+CATEGORIES = tuple(c for c in MEMORY_CATEGORIES if c not in ("padding", "error_feedback"))
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def predict_locations(
         mixed = policy.compute_for(lay.dtype) != lay.dtype
         real = lay.shard_numel > lay.padding_in_shard(rank)
         for category, nbytes in predict_memory([lay], stage, policy, rank, optimizer, offload).items():
-            if category == "padding":
+            if category not in CATEGORIES:
                 continue
             if category == "optimizer_state" and optimizer is not None and lay.requires_grad:
                 scalars = len(lay.slots) * optimizer.scalar_bytes  # step counters: kept beside the optimizer

@@ -9,6 +9,7 @@ step_timeline.py the step's live bytes moment by moment: a fake forward and back
 optimizer_peak.py  the optimizer step's temporaries: the run's own optimizers stepped on fakes of its masters
 step_peak.py     the step's peak predicted for the run: its layout's state + its first batch's timeline
 plan.py          the prediction for a run that has not happened: from a parameter count or a model's layout
+option_savings.py  the fewer-bytes options planned: each one's bytes per step and the link time it saves
 plan_whole.py    the plan of a whole-tensor optimizer: owners' state per rank (Muon beside AdamW), exchanges
 fits.py          the step's peak (state + the timeline's busiest moment): does it fit, and the cheapest change if not
 compute_trace.py one micro-batch's work by unit under fake tensors: FLOPs, memory-bound bytes, kernels; the optimizer's

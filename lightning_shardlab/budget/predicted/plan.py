@@ -24,6 +24,7 @@ from lightning_shardlab.budget.measured.tiers import (
     predict_moves,
     split_by_tier,
 )
+from lightning_shardlab.budget.predicted.option_savings import option_savings
 from lightning_shardlab.budget.predicted.plan_whole import (
     WholePlan,
     memory_per_rank,
@@ -83,6 +84,7 @@ class Plan:
     activations: dict[str, Any] | None = None  # one micro-batch traced (ActivationTrace.fields, + checkpointing)
     step_peak: dict[str, Any] | None = None  # state + the step's busiest moment, bytes (fits.PlannedPeak)
     fit: dict[str, Any] | None = None  # --device-memory with a micro-batch: the verdict, the changes tried
+    options: list[dict[str, Any]] | None = None  # each fewer-bytes option's time saved per step (option_savings.py)
 
     @property
     def model_state(self) -> float:
@@ -285,11 +287,33 @@ def plan_model(
         per_rank=per_rank,
         unsharded_bytes=unsharded,
         gathered_peak=(peak := predict_gathered_peak(units, config.stage, policy, reshard)),
+        options=_option_rows(units, config, policy, group, reshard, replicas, link, inter or link, whole),
         **_groups(traffic, group, reshard, replicas, link, inter or link, whole),
         **plan_fields(
             locations, predict_moves(layouts, policy, offload, shape, r), offload, tier_link, device_memory, peak
         ),
     )
+
+
+def _option_rows(
+    units: dict[str, list[FlatParamLayout]],
+    config: ShardLabConfig,
+    policy: PrecisionPolicy,
+    group: int,
+    reshard: int | None,
+    replicas: int,
+    intra: Interconnect,
+    inter: Interconnect,
+    whole: WholePlan | None,
+) -> list[dict[str, Any]]:
+    """Each fewer-bytes option's traffic on this plan's links, the same way ``_groups`` times the plan's own."""
+
+    def seconds_of(traffic: Traffic) -> float:
+        if whole is not None:
+            traffic = traffic.with_exchanges(whole.calls, max(whole.sent(r) for r in range(len(whole.state))))
+        return sum(link_seconds(traffic, group, reshard, replicas, intra, inter, whole).values())
+
+    return option_savings(units, config, policy.compute_dtype, replicas, reshard, seconds_of)
 
 
 def _unsharded(

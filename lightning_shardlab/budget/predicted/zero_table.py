@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES
 from lightning_shardlab.comm.packing import Packing
 from lightning_shardlab.core.config import PrecisionPolicy, Stage
@@ -30,10 +32,15 @@ def predict_memory(
     rank: int,
     optimizer: OptimizerShape | None,
     offload: str = "none",
+    *,
+    error_feedback: bool | None = None,
 ) -> dict[str, int]:
     """Bytes ``rank`` holds between steps, by the ledger's categories, from the layout alone (wherever they
     live: budget/measured/tiers.py splits them by tier; ``offload='cpu'`` gives every trainable shard a master of its
-    own in host memory, fp32 training included)."""
+    own in host memory, fp32 training included). ``error_feedback``: int8 reductions keep a residual
+    (``reduce_dtype='int8'``; None: read from ``policy.reduce_dtype``, which the Trainer's and Fabric's precision set
+    from it): every trainable floating flat parameter sharded over more than one rank keeps one of its whole flat
+    length, the shard group's W gradient shards, in fp32 (sharding/flat_param.py ``residual``)."""
     out = dict.fromkeys(MEMORY_CATEGORIES, 0)
     for lay in layouts:
         compute = policy.compute_for(lay.dtype)
@@ -51,7 +58,17 @@ def predict_memory(
                 held = lay.shard_numel if offload == "disk" and real else real  # a file holds the whole shard
                 out["optimizer_state"] += held * optimizer.per_element * m
                 out["optimizer_state"] += len(lay.slots) * optimizer.scalar_bytes
+        out["error_feedback"] += _residual_bytes(
+            lay, policy.reduce_dtype is torch.int8 if error_feedback is None else error_feedback
+        )
     return out
+
+
+def _residual_bytes(lay: FlatParamLayout, error_feedback: bool) -> int:
+    """Bytes of ``lay``'s error-feedback residual: one fp32 element per gradient element the shard group reduces
+    (its W shards), where int8 reductions keep one."""
+    kept = error_feedback and lay.requires_grad and lay.dtype.is_floating_point
+    return lay.world_size * lay.shard_numel * 4 if kept and lay.world_size > 1 else 0
 
 
 def predict_gathered_peak(
