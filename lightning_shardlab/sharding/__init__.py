@@ -19,6 +19,8 @@ In the order a step meets them:
     lookup.py           ``sharded_model_of(trainer)``: how the callbacks find it
     placeholders.py     a stage-3 parameter at rest: its shape answers, its values only through shard_reads.py
     shard_reads.py      a whole gradient or weight read in a hook, served from the shards (DDP's values)
+    shard_reductions.py such a read's reductions (norm, sum, max, ...): this rank's partial, one all-reduce
+    read_window.py      when reads are served, the gradients' stand-ins, and a read some ranks made alone
     optimizer.py        the user's optimizer (its class's name kept) over the module's parameters, stepping the
                         master shards; the global gradient norm
     stand_ins.py        the engine's tensors in an optimizer's param groups for one update, state beside them

@@ -31,9 +31,7 @@ left. Outside the window a stand-in refuses to be read with a clear error, never
 
 from __future__ import annotations
 
-import math
 import sys
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,21 +41,15 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shardlab.comm import collectives
-from lightning_shardlab.comm.mismatch import Fingerprint, by_call
 from lightning_shardlab.sharding.flat_param import stub
 from lightning_shardlab.sharding.placeholders import METADATA, ShardedAtRest, at_rest_error
+from lightning_shardlab.sharding.shard_reductions import NORMS, REDUCTIONS, local_piece
 
 if TYPE_CHECKING:
     from lightning_shardlab.comm.collectives import Comm
     from lightning_shardlab.sharding.flat_param import FlatParam
+    from lightning_shardlab.sharding.read_window import ShardReads
 
-ACCUMULATING = (
-    "a gradient was read before the last micro-batch of a gradient accumulation: shardlab reduces each micro-batch"
-    " into the ranks' shards as it goes (accumulation='reduce'), so `.grad` there is the ranks' average summed so"
-    " far, where DDP shows each rank its own unsynchronised sum; from the last micro-batch on (on_before_optimizer_step"
-    " included) both are the same average. HINT: ShardLabStrategy(accumulation='defer') keeps each rank's own"
-    " gradients until the last micro-batch, as DDP does."
-)
 LABEL = "read"  # every read's collective is labelled "read <what> <name>": what the mismatch message shows
 
 
@@ -214,135 +206,6 @@ def _over_every_element(func: Any, args: tuple, kwargs: dict) -> bool:
     return not any(isinstance(a, Tensor) for a in args[1:])
 
 
-# ---- reductions: the local partial of this rank's piece, then one all-reduce ----
-
-
-def _all_reduce(value: Tensor, source: Source, op: str, what: str) -> Tensor:
-    local = value.detach().reshape(()).to(source.comm.device, copy=True)
-    return collectives.all_reduce(local, source.comm, op=op, label=source.label(what))
-
-
-def _piece(source: Source) -> Tensor:
-    with torch._C.DisableTorchFunctionSubclass():
-        return source.piece()
-
-
-def _result(value: Tensor, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    return value.to(like.device, dtype or value.dtype)
-
-
-def _sum(self: Tensor, source: Source, args: tuple, kwargs: dict) -> Tensor:
-    piece = _piece(source)
-    dtype = kwargs.get("dtype")
-    with torch._C.DisableTorchFunctionSubclass():
-        local = piece.sum(dtype=dtype)
-    return _result(_all_reduce(local, source, "sum", "sum"), self)
-
-
-def _mean(self: Tensor, source: Source, args: tuple, kwargs: dict) -> Tensor:
-    total = _sum(self, source, args, kwargs)
-    return total / self.numel()
-
-
-def _count_nonzero(self: Tensor, source: Source, args: tuple, kwargs: dict) -> Tensor:
-    with torch._C.DisableTorchFunctionSubclass():
-        local = torch.count_nonzero(_piece(source))
-    return _result(_all_reduce(local, source, "sum", "count_nonzero"), self)
-
-
-def _extreme(op: str) -> Callable[[Tensor, Source, tuple, dict], Tensor]:
-    def reduce(self: Tensor, source: Source, args: tuple, kwargs: dict) -> Tensor:
-        piece = _piece(source)
-        with torch._C.DisableTorchFunctionSubclass():
-            if piece.numel():
-                local = piece.max() if op == "max" else piece.min()
-            elif piece.dtype.is_floating_point:  # this rank holds none of it: the identity of the reduction
-                local = torch.tensor(-math.inf if op == "max" else math.inf, dtype=torch.float64)
-            else:
-                info = torch.iinfo(torch.int64) if piece.dtype != torch.bool else None
-                local = torch.tensor((info.min if op == "max" else info.max) if info else int(op == "min"))
-            local = local.to(torch.float64 if piece.dtype.is_floating_point else torch.int64)
-        return _result(_all_reduce(local, source, op, op), self, piece.dtype)
-
-    return reduce
-
-
-def _logical(op: str) -> Callable[[Tensor, Source, tuple, dict], Tensor]:
-    def reduce(self: Tensor, source: Source, args: tuple, kwargs: dict) -> Tensor:
-        with torch._C.DisableTorchFunctionSubclass():
-            piece = _piece(source)
-            local = (piece.all() if op == "all" else piece.any()).to(torch.int32)
-        flag = _all_reduce(local, source, "min" if op == "all" else "max", op)
-        return _result(flag, self, torch.bool)
-
-    return reduce
-
-
-def _norm_order(func: Any, args: tuple, kwargs: dict) -> float:
-    if func is torch.linalg.vector_norm:
-        p = args[1] if len(args) > 1 else kwargs.get("ord", 2)
-    elif func is torch.linalg.norm:
-        p = args[1] if len(args) > 1 else kwargs.get("ord")
-        p = 2 if p is None else p
-    else:
-        p = args[1] if len(args) > 1 else kwargs.get("p", "fro")
-    return 2.0 if p in ("fro", None) else float(p)
-
-
-def _norm(func: Any) -> Callable[[Tensor, Source, tuple, dict], Tensor]:
-    """``||x||_p`` = (sum over ranks of ||piece||_p^p)^(1/p); the max (min) of |x| for p = inf (-inf)."""
-
-    def reduce(self: Tensor, source: Source, args: tuple, kwargs: dict) -> Tensor:
-        p = _norm_order(func, args, kwargs)
-        dtype = kwargs.get("dtype")
-        with torch._C.DisableTorchFunctionSubclass():
-            piece = _piece(source)
-            piece = piece if dtype is None else piece.to(dtype)
-            if math.isinf(p):
-                absolute = piece.abs()
-                if absolute.numel():
-                    local = absolute.max() if p > 0 else absolute.min()
-                else:
-                    local = torch.tensor(0.0 if p > 0 else math.inf, dtype=piece.dtype)
-                op = "max" if p > 0 else "min"
-            elif p == 0:
-                local, op = torch.count_nonzero(piece).to(piece.dtype), "sum"
-            else:
-                local, op = torch.linalg.vector_norm(piece, p) ** p, "sum"
-        total = _all_reduce(local, source, op, f"norm {p:g}")
-        if op == "sum" and p != 0:
-            total = total ** (1.0 / p)
-        return _result(total, self, piece.dtype)
-
-    return reduce
-
-
-NORMS = frozenset({Tensor.norm, torch.norm, torch.linalg.vector_norm, torch.linalg.norm})
-REDUCTIONS: dict[Any, Callable[[Tensor, Source, tuple, dict], Tensor]] = {
-    Tensor.sum: _sum,
-    torch.sum: _sum,
-    Tensor.mean: _mean,
-    torch.mean: _mean,
-    Tensor.count_nonzero: _count_nonzero,
-    torch.count_nonzero: _count_nonzero,
-    Tensor.max: _extreme("max"),
-    torch.max: _extreme("max"),
-    Tensor.amax: _extreme("max"),
-    torch.amax: _extreme("max"),
-    Tensor.min: _extreme("min"),
-    torch.min: _extreme("min"),
-    Tensor.amin: _extreme("min"),
-    torch.amin: _extreme("min"),
-    Tensor.all: _logical("all"),
-    torch.all: _logical("all"),
-    Tensor.any: _logical("any"),
-    torch.any: _logical("any"),
-    Tensor.norm: _norm(Tensor.norm),
-    torch.norm: _norm(torch.norm),
-    torch.linalg.vector_norm: _norm(torch.linalg.vector_norm),
-    torch.linalg.norm: _norm(torch.linalg.norm),
-}
-
 # what returns the stand-in itself: its values are the same
 SAME = frozenset({Tensor.data.__get__, Tensor.detach, Tensor.detach_, Tensor.contiguous})
 # reshapes of a contiguous whole: the flat order of the elements, and so every piece, is unchanged
@@ -374,14 +237,14 @@ def _elementwise(func: Any, self: Tensor, source: Source, args: tuple, kwargs: d
     if func in (Tensor.to, torch.Tensor.type_as) and not _only_dtype(args, kwargs):
         return NotImplemented
     start, n = source.span
-    piece = _piece(source)
+    piece = local_piece(source)
 
     def local(a: Any) -> Any:
         if a is self:
             return piece
         s = source_of(a)
         if s is not None:
-            return _piece(s) if s.parts == source.parts and tuple(a.shape) == tuple(self.shape) else NotImplemented
+            return local_piece(s) if s.parts == source.parts and tuple(a.shape) == tuple(self.shape) else NotImplemented
         if isinstance(a, Tensor):
             if a.dim() == 0:
                 return a
@@ -490,160 +353,7 @@ def gather_whole(source: Source, shape: tuple[int, ...], op: str) -> Tensor:
         return flat.reshape(shape).to(piece.device)
 
 
-# ---- the window, the sources, and what a hook that parts the ranks is told ----
-
-
-class ShardReads:
-    """The stand-ins of one sharded model: the gradients shown after backward, the weights at rest (stage 3), and
-    whether reads are served now (the window: ``open``, ``close``)."""
-
-    def __init__(self, comm: Comm) -> None:
-        self.comm = comm  # the shard group: every piece of a flat parameter is on one of its ranks
-        self.serving = False
-        self.shown: dict[int, tuple[nn.Parameter, ShardRead, FlatParam, int]] = {}  # id(param) -> its gradient
-        self.accumulating: list[tuple[nn.Parameter, ShardRead]] = []  # before an accumulation's last micro-batch
-        self._said: set[str] = set()
-        self._me = weakref.ref(self)
-
-    def say_once(self, note: str) -> None:
-        if note not in self._said:
-            self._said.add(note)
-            if self.comm.rank == 0:
-                warnings.warn(note, stacklevel=4)
-
-    def register_weights(self, flat_params: list[FlatParam]) -> None:
-        """Let the stage-3 parameters of ``flat_params`` be read at rest (their values: this rank's master slice)."""
-        for fp in flat_params:
-            if not fp.resident_full:  # stage 3 (stubs at rest, on one rank too)
-                for i, param in enumerate(fp.params):
-                    _WEIGHTS[id(param)] = (weakref.ref(param), self._me, weakref.ref(fp), i)
-                    weakref.finalize(param, _WEIGHTS.pop, id(param), None)
-
-    def open(self) -> None:
-        self.serving = True
-
-    def close(self, last_call: bool) -> None:
-        """Stop serving reads. ``last_call`` (a clean end, every rank here): first one verified collective, which a
-        read issued on some ranks only meets (and both raise), so no rank leaves a peer waiting in a read. The
-        gradients' stand-ins leave ``.grad`` (None after fit): whatever reads them next (``module.cpu()``, a
-        strategy the module is handed to) reads without its peers. Their values stay in the master views."""
-        if last_call and self.serving:
-            collectives.barrier(self.comm, label="end of hook reads")
-        self.serving = False
-        for param, grad in [*((p, g) for p, g, _, _ in self.shown.values()), *self.accumulating]:
-            if param.grad is grad:
-                param.grad = None
-        self.shown.clear()
-        self.accumulating.clear()
-
-    def check_open(self, tensor: Tensor, source: Source, op: str) -> None:
-        if self.serving:
-            return
-        if isinstance(tensor, ShardedAtRest):
-            raise at_rest_error(tensor, op)
-        raise RuntimeError(
-            f"[rank {source.world_rank}] the {source.what} of {source.name!r} was read ({op}) outside training: its"
-            " values are spread over the ranks' shards, and a read there is a collective every rank must join, which"
-            " is only served during fit (for Fabric: after setup). HINT: read it inside a hook that every rank runs"
-            " (on_before_optimizer_step, on_train_batch_end, ...), or call optimizer.zero_grad() before reading."
-        )
-
-    # ---- gradients (sharding/gradients.py shows them, these stand for them) ----
-
-    def show_grads(self, fp: FlatParam) -> None:
-        """After ``gradients.show``: each parameter whose master view holds a gradient gets a stand-in as ``.grad``,
-        while reads are served (a loop of one's own on the engine opens them with ``sharded.reads.open()``; a module
-        handed to another strategy after fit keeps running its hooks, and keeps ``.grad`` None)."""
-        if not self.serving:
-            return
-        for i, (param, master) in enumerate(zip(fp.params, fp.master_params)):
-            if master.grad is None or not param.requires_grad:
-                continue
-            with torch._C.DisableTorchFunctionSubclass():
-                shape, dtype, device = param.shape, param.dtype, param.device
-            grad = ShardRead.make(self._grad_source(fp, i), shape, dtype, device)
-            param.grad = grad
-            self.shown[id(param)] = (param, grad, fp, i)
-
-    def _grad_source(self, fp: FlatParam, i: int) -> Source:
-        slot = fp.layout.slots[i]
-        master = fp.master_params[i]
-        lo, hi = fp.layout.slot_in_shard(slot, fp.rank)
-
-        def piece() -> Tensor:
-            if master.grad is not None:
-                return master.grad
-            if fp.grad_shard is not None:  # mixed precision, after the step let go of the fp32 copy
-                return fp.grad_shard[lo:hi]
-            raise RuntimeError(
-                f"[rank {fp.world_rank}] the gradient of {slot.name!r} was read after it was released. HINT: read"
-                " gradients between backward and the optimizer's zero_grad()."
-            )
-
-        return Source(slot.name, "gradient", piece, _parts(fp, i), fp.rank, fp.world_rank, self.comm, self)
-
-    def show_accumulating_grads(self, fp: FlatParam) -> None:
-        """Before the last micro-batch of an accumulation (``accumulation='reduce'``): each micro-batch was reduced
-        into the grad shard as it went, so what a hook can read is the ranks' average summed so far, not the rank's
-        own sum that DDP shows there (its all-reduce waits for the last micro-batch). Shown as ``.grad``, with a
-        note said once when it is read; never a silent ``None``."""
-        if not self.serving or fp.grad_shard is None:
-            return
-        for i, param in enumerate(fp.params):
-            if not param.requires_grad or param.grad is not None:
-                continue
-            slot = fp.layout.slots[i]
-            lo, hi = fp.layout.slot_in_shard(slot, fp.rank)
-            shard = fp.grad_shard
-
-            def piece(shard: Tensor = shard, lo: int = lo, hi: int = hi) -> Tensor:
-                return shard[lo:hi]
-
-            source = Source(
-                slot.name, "gradient", piece, _parts(fp, i), fp.rank, fp.world_rank, self.comm, self, note=ACCUMULATING
-            )
-            with torch._C.DisableTorchFunctionSubclass():
-                shape, dtype, device = param.shape, param.dtype, param.device
-            grad = ShardRead.make(source, shape, dtype, device)
-            param.grad = grad
-            self.accumulating.append((param, grad))
-
-    def settle(self) -> None:
-        """Before a backward or an optimizer step: what the user did to a shown ``.grad`` reaches the master views.
-        Set to None (``module.zero_grad()``): the master view lets go of it too, as DDP's optimizer then skips the
-        parameter. Replaced by a tensor of the whole's shape (``p.grad = p.grad.clamp(-1, 1)``, or a plain tensor):
-        its values are taken into the master view, and the stand-in, which reads them, is ``.grad`` again."""
-        for key, (param, grad, fp, i) in list(self.shown.items()):
-            current = param.grad
-            if current is grad:
-                continue
-            master = fp.master_params[i]
-            if current is None or master.grad is None:
-                master.grad = None
-                del self.shown[key]
-                continue
-            replaced = source_of(current)
-            with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-                start, n = grad._source.span
-                if replaced is not None and replaced.parts == grad._source.parts:
-                    master.grad.copy_(replaced.piece())
-                else:
-                    whole = current if replaced is None else gather_whole(replaced, tuple(grad.shape), "assigned")
-                    master.grad.copy_(whole.detach().reshape(-1)[start : start + n])
-            param.grad = grad
-
-    def clear_grads(self) -> None:
-        """Before backward: autograd accumulates into ``.grad`` and the reduction reads it, so no stand-in may stay
-        there (the values stay in the master views, where ``gradients.accumulate`` takes them from)."""
-        self.settle()
-        for param, grad in [*((p, g) for p, g, _, _ in self.shown.values()), *self.accumulating]:
-            if param.grad is grad:
-                param.grad = None
-        self.shown.clear()
-        self.accumulating.clear()
-
-
-def _parts(fp: FlatParam, i: int) -> tuple[tuple[int, int], ...]:
+def parts_of(fp: FlatParam, i: int) -> tuple[tuple[int, int], ...]:
     """Rank r's piece of slot ``i`` as (first element in the flattened parameter, count), for every rank."""
     slot, layout = fp.layout.slots[i], fp.layout
     parts = []
@@ -654,11 +364,11 @@ def _parts(fp: FlatParam, i: int) -> tuple[tuple[int, int], ...]:
 
 
 # id(param) -> (param, its ShardReads, its flat parameter, slot): weak, so a model that is gone leaves nothing
-_WEIGHTS: dict[int, tuple[weakref.ref, weakref.ref, weakref.ref, int]] = {}
+WEIGHTS: dict[int, tuple[weakref.ref, weakref.ref, weakref.ref, int]] = {}
 
 
 def _weight_source(param: ShardedAtRest) -> Source | None:
-    entry = _WEIGHTS.get(id(param))
+    entry = WEIGHTS.get(id(param))
     if entry is None or entry[0]() is not param:
         return None
     reads, fp, i = entry[1](), entry[2](), entry[3]
@@ -673,19 +383,5 @@ def _weight_source(param: ShardedAtRest) -> Source | None:
                 fp.shard[lo:hi].copy_(fp.master[lo:hi])
 
     return Source(
-        slot.name, "weight", lambda: fp.master[lo:hi], _parts(fp, i), fp.rank, fp.world_rank, reads.comm, reads, wrote
-    )
-
-
-def explain(each: dict[int, Fingerprint | None]) -> str | None:
-    """The hint for a mismatch where some ranks issued a read: it ran on some ranks only."""
-    readers = [(fp, ranks) for fp, ranks in by_call(each) if fp is not None and str(fp[2]).startswith(f"{LABEL} ")]
-    if not readers:
-        return None
-    fp, ranks = readers[0]
-    return (
-        f"rank {', '.join(map(str, ranks))} issued {fp[2]!r}, a read on some ranks only: a gradient or stage-3 weight"
-        " read in a hook is a collective (its values are spread over the ranks' shards), so every rank must make it."
-        " Read it on every rank and print or log on one (`v = w.norm()` then `if self.global_rank == 0: print(v)`),"
-        " or log with self.log(..., rank_zero_only=True) after computing the value on every rank"
+        slot.name, "weight", lambda: fp.master[lo:hi], parts_of(fp, i), fp.rank, fp.world_rank, reads.comm, reads, wrote
     )

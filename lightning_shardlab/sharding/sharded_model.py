@@ -24,7 +24,7 @@ from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.comm.labels import phase
 from lightning_shardlab.comm.mesh import Mesh
 from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
-from lightning_shardlab.sharding import divergent_units, gradients, hooks, shard_reads
+from lightning_shardlab.sharding import divergent_units, gradients, hooks, read_window
 from lightning_shardlab.sharding.flat_param import FlatParam, FlatParamLayout
 from lightning_shardlab.sharding.unit import TrainingState, Unit, UnitState
 from lightning_shardlab.sharding.unused_params import UsageAgreement
@@ -68,7 +68,7 @@ class ShardedModel:
         self._overlap_refresh = False
         self._by_id: dict[int, nn.Parameter] | None = None  # id(original param) -> master view
         # what hooks read of gradients and stage-3 weights, served from the shards (sharding/shard_reads.py)
-        self.reads = shard_reads.ShardReads(mesh.shard)
+        self.reads = read_window.ShardReads(mesh.shard)
         self.reads.register_weights(self.flat_params)
 
     @property
@@ -401,7 +401,7 @@ class ShardedModel:
 
 def _explain(units: Callable[[dict], str | None], each: dict) -> str | None:
     """A read made on some ranks only (sharding/shard_reads.py), else a unit that ran on some ranks only."""
-    return shard_reads.explain(each) or units(each)
+    return read_window.explain(each) or units(each)
 
 
 def broadcast_buffers(module: nn.Module, comm: Comm, label: str) -> None:
