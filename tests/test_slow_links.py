@@ -224,19 +224,19 @@ def _predicted(sharded, steps: int) -> dict:  # noqa: ANN001
 def _bf16_sum_and_feedback(comm) -> dict:  # noqa: ANN001
     """Rank 0 sends 1, rank 1 sends 2^-8 (both exact in bf16): averaged in fp32, 0.5 + 2^-9; a bf16 sum rounds
     1 + 2^-8 to 1. Then one int8 call with a residual, for the driver to check by hand."""
-    from lightning_shardlab.comm import collectives
+    from lightning_shardlab.comm import collectives, packed_collectives
 
     value = 1.0 if comm.rank == 0 else 2.0**-8
     full = torch.full((8,), value)
     ours = torch.empty(4)
-    collectives.reduce_scatter_packed(ours, full, comm, Packing("bfloat16"), label="probe")
+    packed_collectives.reduce_scatter_packed(ours, full, comm, Packing("bfloat16"), label="probe")
     narrow = torch.empty(4, dtype=torch.bfloat16)
     collectives.reduce_scatter(narrow, full.to(torch.bfloat16), comm, label="probe")  # summed in bf16
     g = torch.Generator().manual_seed(comm.rank)
     grad, before = torch.randn(64, generator=g), torch.randn(64, generator=g) * 0.01
     residual = before.clone()
     out = torch.empty(32)
-    collectives.reduce_scatter_packed(out, grad, comm, Packing("int8", 8), label="probe", residual=residual)
+    packed_collectives.reduce_scatter_packed(out, grad, comm, Packing("int8", 8), label="probe", residual=residual)
     return {"ours": ours, "bf16": narrow.float(), "grad": grad, "before": before, "after": residual, "out": out}
 
 

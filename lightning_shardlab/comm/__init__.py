@@ -1,6 +1,7 @@
 """Communication: every collective the project issues, counted and verified (the layer everything else uses).
 
     collectives.py      ``Comm`` (a process group with its ledger and observers) and the collectives, sync or async
+    packed_collectives.py  the all-gather and reduce-scatter in fewer bytes (packed on the wire, summed in fp32)
     call.py             ``CollectiveCall`` (one collective as every rank must issue it) and its observers
     packing.py          packed payloads: bf16 / fp16, int8 in blocks with one scale each (fewer bytes)
     mesh.py             the groups of hybrid sharding: world, shard group, replica group, reshard group

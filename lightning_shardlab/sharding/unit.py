@@ -16,7 +16,7 @@ from enum import Enum
 import torch
 from torch import Tensor, nn
 
-from lightning_shardlab.comm import collectives
+from lightning_shardlab.comm import collectives, packed_collectives
 from lightning_shardlab.comm.collectives import Pending
 from lightning_shardlab.comm.mesh import Mesh
 from lightning_shardlab.sharding import gradients
@@ -124,7 +124,7 @@ class Unit:
         """Launch the all-gather of ``fp``'s compute shard into its full buffer in the shard group: packed where
         ``gather_dtype`` asks (comm/packing.py: every rank then holds the same unpacked values), else exact."""
         if fp.gather_packing is not None:
-            return collectives.all_gather_packed(
+            return packed_collectives.all_gather_packed(
                 fp.full, fp.shard, self.shard_group, fp.gather_packing, label=fp.layout.name, async_op=True
             )
         return collectives.all_gather(fp.full, fp.shard, self.shard_group, label=fp.layout.name, async_op=True)
@@ -223,7 +223,7 @@ class Unit:
         if self.reduce_sample is not None and self.shard_group.world_size > 1:  # exact first, to set against
             self.reduce_sample.reduce_exactly(fp, flat, self.shard_group)
         residual = fp.residual_buffer() if fp.error_feedback and self.shard_group.world_size > 1 else None
-        return collectives.reduce_scatter_packed(
+        return packed_collectives.reduce_scatter_packed(
             new_shard, flat, self.shard_group, fp.reduce_packing, fp.layout.name, async_op=True, residual=residual
         )
 
