@@ -266,7 +266,9 @@ def probe_link(sizes: tuple[int, int] = (256 << 10, 2 << 20), repeats: int = 3, 
     from lightning_shardlab.comm.link_probe import time_gather_batches
 
     times = time_gather_batches(comm, sizes, CALLS, repeats, aligned=True)
-    slowest = collectives.all_reduce(torch.tensor(times, dtype=torch.float64), comm, op="max", label="link probe")
+    slowest = collectives.all_reduce(
+        torch.tensor(times.batches, dtype=torch.float64), comm, op="max", label="link probe"
+    )
     link = fit_link("emulated link, probed", slowest.tolist(), comm.world_size, sizes)
     if own:
         dist.destroy_process_group()

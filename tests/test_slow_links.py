@@ -9,34 +9,27 @@
   the next step), each option's bytes in the ledger under its wire dtype, the residuals' memory measured = predicted,
   the int8 gathers' error per unit against the masters (by hand), sampled packed reductions set against exact ones
   (training unchanged, the extra calls under their own label);
-- the budget's option-error figures combined over ranks by hand, its tables, and ``shardlab plan``'s time saved per
-  option (by hand: (N-1)/N of the bytes saved over the link's bandwidth);
-- error feedback into checkpoints: a Trainer run with ``reduce_dtype='int8'`` resumed from its checkpoint equals
-  the uninterrupted run bit for bit (the straight run sampled by ``ShardLabBudget(error_every=2)``: its JSON has the
-  error per sampled step and the residuals' memory);
+- ``shardlab plan``'s time saved per option (by hand: (N-1)/N of the bytes saved over the link's bandwidth);
 - the emulated link (benchmarks/slow_link.py): 2 nodes x 1 rank at stage 3 train to the same weights, bit for bit,
   as the same run on loopback, and the link probe cannot read faster than the shaped rate.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
 import yaml
 
-from lightning_shardlab import ShardLabBudget, ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
+from lightning_shardlab import ShardLabConfig, ShardLabStrategy, shard_model, shard_optimizer
 from lightning_shardlab.comm.packing import Packing, dequantize, quantize
-from lightning_shardlab.sharding.reduce_sample import EXACT_LABEL as EXACT
 from tests.helpers.launch import run_ranks
 from tests.helpers.reference import init_from_env, shutdown
-from tests.models import OddNet, OrderedData, TinyGPT, regression_batches, token_dataset
+from tests.models import OddNet, TinyGPT, regression_batches
 
 # ---- the block quantizer, by hand ----
 
@@ -129,8 +122,8 @@ VARIANTS = {
 
 
 def _train(comm, options: dict, steps: int = 4, local_batch: int = 3, sample: bool = False) -> dict:  # noqa: ANN001
-    from lightning_shardlab.budget.measured.option_error import gather_error_sums
     from lightning_shardlab.checkpoint.save_load import full_state_dict
+    from lightning_shardlab.sharding.packing_error import as_lists, gather_error_sums
     from lightning_shardlab.sharding.reduce_sample import EXACT_LABEL, ReduceSample
 
     torch.manual_seed(0)
@@ -174,7 +167,7 @@ def _train(comm, options: dict, steps: int = 4, local_batch: int = 3, sample: bo
         "memory": memory,
         "samples": samples,
         "exact_calls": exact_calls,
-        "gather_error": gather_error_sums(sharded),
+        "gather_error": as_lists(gather_error_sums(sharded), "test"),
         "packed_layouts": {fp.layout.name: fp.layout.padded_numel for fp in sharded.flat_params if fp.reduce_packing},
     }
 
@@ -340,27 +333,8 @@ def test_error_feedback_residual_is_in_the_budget_measured_and_predicted(packed:
         assert report["int8_reduce"]["memory"]["residuals"] == 4 * sum(r.numel() for r in residuals.values())
 
 
-def test_memory_table_shows_error_feedback_only_where_a_residual_is_kept() -> None:
-    from rich.console import Console
-
-    from lightning_shardlab.budget.tables import memory_table
-
-    def table_of(residual: int) -> str:
-        memory = {"params": 1 << 20, "grads": 1 << 20, "master": 0, "optimizer_state": 2 << 20, "padding": 0}
-        memory["error_feedback"] = residual
-        gathered = {**memory, "gathered_peak": 0}
-        report = {"rank": 0, "stage": 3, "world_size": 2, "precision": "32-true", "process_peak_bytes": 0}
-        console = Console(width=250, record=True)
-        console.print(memory_table([{**report, "memory_measured": gathered, "memory_predicted": gathered}]))
-        return console.export_text()
-
-    assert "error_feedback" not in table_of(0)  # the defaults' table, as it was
-    shown = table_of(3 << 20)
-    assert "error_feedback" in shown and "3.00 (3.00)" in shown and "7.00 (7.00)" in shown, shown  # in model state
-
-
 def test_int8_gather_error_per_unit_is_the_gathered_weights_against_the_masters(packed: list[dict]) -> None:
-    from lightning_shardlab.budget.measured.option_error import combine
+    from lightning_shardlab.sharding.packing_error import combine
 
     for report in packed:
         assert report["default"]["gather_error"] == {} and report["int8_reduce"]["gather_error"] == {}  # off: none
@@ -375,7 +349,7 @@ def test_int8_gather_error_per_unit_is_the_gathered_weights_against_the_masters(
 
 
 def test_sampled_reduction_error_is_measured_beside_an_exact_reduction(packed: list[dict]) -> None:
-    from lightning_shardlab.budget.measured.option_error import combine
+    from lightning_shardlab.sharding.packing_error import combine
     from lightning_shardlab.sharding.reduce_sample import EXACT_LABEL
 
     for name, bound in (("bf16_reduce", 2.0**-8), ("int8_reduce", 0.05)):
@@ -392,28 +366,6 @@ def test_sampled_reduction_error_is_measured_beside_an_exact_reduction(packed: l
         layouts = runs[0]["packed_layouts"]
         assert (calls, nbytes) == (3 * len(layouts), 3 * 4 * sum(layouts.values())), runs[0]["exact_calls"]
         assert packed[0][name]["exact_calls"] == []  # not sampled: no extra call
-
-
-def test_option_error_is_combined_over_ranks_by_hand_and_absent_by_default() -> None:
-    from lightning_shardlab.budget.measured.option_error import combine, option_error
-
-    figures = combine([{"u": [9.0, 100.0, 2.0]}, {"u": [16.0, 300.0, 3.0]}])
-    assert figures == {"u": {"max_abs": 3.0, "rel_l2": 0.25}}  # sqrt(25 / 400)
-    assert option_error([{"rank": 0}, {"rank": 1}]) == {}  # the defaults: nothing in the JSON, no table
-    sums = [{"gather": {}, "reduce": [(1, {"u": [1.0, 4.0, 1.0]})], "reduce_every": 50}] * 2
-    reduce = option_error([{"option_error_sums": s} for s in sums])["reduce"]
-    assert reduce == {"every": 50, "steps": [1], "by_step": [{"u": {"max_abs": 1.0, "rel_l2": 0.5}}]}
-    from rich.console import Console
-
-    from lightning_shardlab.budget.tables import option_error_table
-
-    console = Console(width=250, record=True)
-    console.print(option_error_table({"gather": figures, "reduce": reduce}))
-    shown = console.export_text()
-    assert "int8 gathers" in shown and "packed reduction" in shown and "1, one in 50" in shown, shown
-    assert "0.25" in shown and "0.5" in shown, shown
-    with pytest.raises(ValueError, match=r"error_every=0.*integer >= 1.*HINT"):
-        ShardLabBudget(error_every=0)
 
 
 # ---- the plan: each option's time saved per step ----
@@ -447,69 +399,6 @@ def test_plan_shows_each_options_time_saved_per_step(stage: int) -> None:
     console.print(options_table(plan))
     shown = console.export_text()
     assert "saved per step" in shown and "reduce_dtype='int8'" in shown and "10 Gigabit Ethernet" in shown, shown
-
-
-# ---- error feedback into checkpoints: resume exact ----
-
-
-def _fit(epochs: int, seed: int, callbacks: list, ckpt_path: str | None = None, root: str = ".") -> L.Trainer:
-    torch.manual_seed(seed)
-    model = TinyGPT()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=ShardLabStrategy(stage=3, reduce_dtype="int8", quant_block_size=64),
-        max_epochs=epochs,
-        enable_checkpointing=any(not isinstance(c, ShardLabBudget) for c in callbacks),
-        callbacks=callbacks,
-        default_root_dir=root,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-    )
-    trainer.fit(model, OrderedData(token_dataset(8), 2), ckpt_path=ckpt_path)
-    return trainer
-
-
-def resume_with_residuals(tmp: str) -> dict:
-    """Worker: 2 epochs straight, against 1 epoch saved and resumed to 2 (other initial weights)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    def weights_and_residuals(trainer: L.Trainer) -> tuple[dict, dict]:
-        sharded = trainer.strategy.sharded
-        state = {k: v.clone() for k, v in trainer.strategy.full_state_dict().items()}
-        return state, {fp.layout.name: fp.residual.clone() for fp in sharded.flat_params if fp.residual is not None}
-
-    budget = ShardLabBudget(error_every=2)  # the straight run samples its reduction's error: steps 0 and 2 of 4
-    straight = weights_and_residuals(_fit(2, 0, [budget], root=tmp))
-    saver = ModelCheckpoint(dirpath=tmp, save_last=True, save_top_k=0)
-    _fit(1, 0, [saver])
-    resumed = weights_and_residuals(_fit(2, 123, [], ckpt_path=saver.last_model_path))
-    return {"straight": straight, "resumed": resumed, "rank": int(os.environ["RANK"]), "budget": budget.reports}
-
-
-def test_error_feedback_residual_resumes_exactly(tmp_path: Path) -> None:
-    reports = run_ranks("tests.test_slow_links:resume_with_residuals", 2, {"tmp": str(tmp_path)}, timeout=240)
-    for report in reports:
-        (_, residuals), (_, residuals_r) = report["straight"], report["resumed"]
-        assert residuals and residuals.keys() == residuals_r.keys()
-        assert all(torch.equal(residuals[k], residuals_r[k]) for k in residuals), report["rank"]
-    assert _equal_states(reports[0]["straight"][0], reports[0]["resumed"][0])  # weights bit for bit
-    # ... though the straight run was sampled for its reduction's error: the budget's JSON and tables have it
-    everyone = reports[0]["budget"]
-    error = json.loads((tmp_path / "shardlab_budget.json").read_text())[0]["option_error"]
-    assert error["reduce"]["every"] == 2 and error["reduce"]["steps"] == [1, 3], error
-    for figures in error["reduce"]["by_step"]:
-        assert figures and all(0 < f["rel_l2"] < 0.1 for f in figures.values()), figures  # by unit (TinyGPT: root)
-    assert "gather" not in error  # int8 gathers are off
-    for r in everyone:
-        measured, predicted = r["memory_measured"]["error_feedback"], r["memory_predicted"]["error_feedback"]
-        assert measured == predicted > 0, (measured, predicted)  # the residuals' memory, in the budget
-        pred = r["comm_predicted_per_step"]  # the sampled exact calls stay out of the predicted figures
-        assert r["comm_per_step"]["reduce_scatter"]["bytes"] == pred["reduce_scatter_bytes"], r["comm_per_step"]
-        assert any(EXACT in call for call in r["comm_per_step_by_unit"]), r["comm_per_step_by_unit"]
 
 
 # ---- the emulated link: 2 nodes x 1 rank against loopback ----

@@ -129,6 +129,44 @@ def test_the_prediction_has_the_same_parts_and_lies_in_a_loose_band_around_the_m
             assert {"blocks.0", "blocks.1", "blocks.2"} <= set(predicted["by_unit"]), predicted["by_unit"]
 
 
+def test_shardlab_plan_predicts_the_step_the_run_predicts_for_itself(results: list, tmp_path: Path) -> None:
+    """One code path (budget/predicted/step_time.py): ``shardlab plan`` on this run's model and options, given the
+    rate and the link the run measured for itself (its report's basis), predicts the run's own step within 10 %
+    (the run's data loading, measured, added to the plan's), and each part with it. What may differ: the run traces
+    its first real batch, the plan a synthetic micro-batch of the same shape; the run steps its own optimizer."""
+    import dataclasses
+
+    import yaml
+
+    from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, EngineCost
+    from lightning_shardlab.budget.predicted.plan_time import plan_time
+    from lightning_shardlab.budget.predicted.zero_table import Interconnect
+    from lightning_shardlab.cli.plan import parser, plan_and_setting
+
+    config = tmp_path / "fit.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"class_path": "tests.models.gpt.TinyGPT", "init_args": GPT},
+        "trainer": {"precision": "32-true", "strategy": {
+            "class_path": "lightning_shardlab.ShardLabStrategy", "init_args": {"stage": 3, "unit_bucket_params": 0},
+        }},
+    }))  # fmt: skip
+    args = ["--config", str(config), "--world-size", "2", "--micro-batch-size", "2", "--seq-len", "8"]
+    for rank in results[0]:  # the stage 3 case
+        run = rank["report"]["time_predicted"]
+        basis = run["basis"]
+        _, timed = plan_and_setting(parser().parse_args([*args, "--data-seconds", str(run["data"])]))
+        link = Interconnect(**basis["link_figures"])
+        timed.rate = ComputeRate(
+            basis["rate"], basis["flops_per_second"], basis["bytes_per_second"], basis["seconds_per_op"], "cpu",
+            engine=EngineCost(**basis["engine_seconds"]), seconds_per_bare_op=basis["seconds_per_bare_op"],
+        )  # fmt: skip
+        timed = dataclasses.replace(timed, intra=link, inter=link, link_share=basis["link_share"])
+        planned = plan_time(timed)
+        assert planned["step"] == pytest.approx(run["step"], rel=0.10), (planned, run)
+        for part in ("forward", "backward", "comm_exposed"):
+            assert planned[part] == pytest.approx(run[part], rel=0.10, abs=1e-4), (part, planned, run)
+
+
 def test_a_healthy_run_names_no_straggler(results: list) -> None:
     for case, ranks in zip(CASES, results):
         if "slow" not in case:

@@ -314,6 +314,27 @@ def test_stage_3_played_by_hand(late: float) -> None:
     assert "all_gather" not in stage_2.exposed and stage_2.now == pytest.approx(18.0 + 4.0)  # no refresh given
 
 
+def test_launching_a_call_is_compute_in_the_part_that_launches_it_by_hand() -> None:
+    """Each launch costs the host 0.5 s (``UnitTimes.launch``): stage 3 launches 3 gathers in forward (the root's,
+    A's, B's), 1 regather (A's) and 3 reduce-scatters in backward; stage 2 its 3 reduce-scatters in backward and
+    3 refreshes after the optimizer step. With links that move only while compute waits (a CPU's, ``link_share``
+    0), the step is longer by those launches, each in its part, and nothing else moves."""
+    from lightning_shardlab.budget.predicted.step_time import Schedule, UnitTimes, play
+
+    def units(launch: float) -> tuple[UnitTimes, list[UnitTimes]]:
+        root = UnitTimes("root", gather=1.0, reduce=2.0, refresh=1.0, launch=launch)
+        ab = [UnitTimes(n, 3.0, 6.0, 0.0, 1.0, 1.0, 2.0, 0.0, 1.0, launch) for n in "AB"]
+        return root, ab
+
+    for stage, launched in (
+        (Stage.PARAMETERS, {"forward": 1.5, "backward": 2.0}),
+        (Stage.GRADIENTS, {"backward": 1.5, "optimizer": 1.5}),
+    ):
+        free, paid = (play(*units(launch), Schedule(stage), link_share=0.0) for launch in (0.0, 0.5))
+        assert paid.launching == pytest.approx(launched), stage
+        assert paid.now == pytest.approx(free.now + sum(launched.values())), stage
+
+
 def test_one_reduce_scatter_in_flight_by_hand() -> None:
     """Three units, C's reduce-scatter slow (10 s): B's post-backward waits for it (4 s exposed, as
     MAX_REDUCTIONS_IN_FLIGHT = 1), and A's backward gather, queued behind it on the link, is 1 s late."""
@@ -331,8 +352,9 @@ def test_one_reduce_scatter_in_flight_by_hand() -> None:
 
 def test_the_link_is_the_slope_and_intercept_of_two_batch_sizes() -> None:
     """budget/measured/local_link.py: batches of CALLS all-gathers at two sizes per rank give the bandwidth (slope)
-    and the latency (what is left of the small batch), for any group size; noise that makes the large batch no
-    slower than the small one falls back to the large batch alone."""
+    and the latency (what is left of the small batch), for any group size, or a busy rank's wait for a small call
+    over its N-1 messages where longer; noise that makes the large batch no slower than the small one falls back to
+    the large batch alone."""
     from lightning_shardlab.budget.measured.local_link import CALLS, SIZES, fit_link
 
     true = Interconnect("true", bandwidth=2e9, latency=3e-4)
@@ -341,6 +363,12 @@ def test_the_link_is_the_slope_and_intercept_of_two_batch_sizes() -> None:
         link = fit_link("fitted", batch, world)
         assert link.bandwidth == pytest.approx(true.bandwidth) and link.latency == pytest.approx(true.latency)
         assert link.name.startswith("fitted: 2.00 GB/s, 300 us")
+    batch = [CALLS * true.ring_seconds(2 * b, 2) for b in SIZES]
+    launched = fit_link("fitted", batch, 2, launch=2e-4, busy_wait=1e-4)  # a busy rank waits less: the batches'
+    assert (launched.launch, launched.latency) == (2e-4, pytest.approx(3e-4))
+    assert launched.name.endswith("300 us, 200 us of compute a call")
+    busy = fit_link("fitted", [CALLS * true.ring_seconds(4 * b, 4) for b in SIZES], 4, busy_wait=1.5e-3)
+    assert busy.latency == pytest.approx(5e-4) and busy.bandwidth == pytest.approx(true.bandwidth)  # over 3 messages
     swamped = fit_link("noisy", [0.02, 0.01], 2)
     assert swamped.bandwidth == pytest.approx(CALLS * SIZES[1] / 0.01) and swamped.latency == 0.0
 
@@ -418,6 +446,7 @@ def test_the_plan_measured_here_takes_the_rates_a_run_takes(monkeypatch) -> None
     monkeypatch.setattr(cli_plan, "measure_rate", lambda device, dtype, matmuls, memory_ops: RATE)
     monkeypatch.setattr(cli_plan, "with_engine_cost", lambda rate, stage: dataclasses.replace(rate, engine=engine))
     monkeypatch.setattr(compute_rate, "_cores", lambda: 1)  # 2 ranks of 1 thread on 1 core: half each, no link share
+    monkeypatch.setattr(compute_rate.torch, "get_num_threads", lambda: 1)  # as scripts/test.sh runs, whatever runs it
     timed = setting(stage=Stage(3))
     rate, share = cli_plan.rate_here(timed, 2)
     assert rate.flops_per_second == RATE.flops_per_second / 2 and rate.engine == engine.scaled(2) and share == 0.0

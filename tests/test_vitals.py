@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_shardlab import ShardLabStrategy
+from lightning_shardlab.sharding.reduce_sample import EXACT_LABEL
 from lightning_shardlab.vitals.callback import ShardLabVitals
 from lightning_shardlab.vitals.dashboard import (
     UNIT_SIGNALS,
@@ -72,7 +73,9 @@ def vitals_fit(out: str, steps: int = 20) -> dict:
         **quiet,
     )
     trainer.fit(model, OrderedData(token_dataset(steps * 2 * 3), 2))
+    calls = trainer.strategy.sharded.comm.ledger.by_call
     return {
+        "exact_reductions": sum(t.count for (_, _, label), t in calls.items() if label == EXACT_LABEL),
         "global_norms": model.global_norms,
         "paths": {k: str(v) for k, v in vitals.paths.items()},
         "signals": vitals.signals,
@@ -147,6 +150,9 @@ def test_dashboard_marks_the_rank_with_loud_activations(vitals_run: tuple[list[d
         "update_ratio/blocks.0",
         "update_ratio/blocks.1",
     }
+    # the defaults send every byte exactly: no option's error curve, no exact reduction beside them, no extra call
+    assert not [s for s in data["signals"] if s.startswith("option_error")]
+    assert all(r["exact_reductions"] == 0 for r in reports)
 
 
 # ---- without communication: the update ratio, and the outlier rule ----
@@ -222,16 +228,19 @@ def test_a_step_without_a_gradient_norm_is_not_an_outlier(tmp_path: Path) -> Non
     assert paths["png"].exists() and json.loads(paths["json"].read_text())["outliers"] == []
 
 
-@pytest.mark.parametrize("n_units", [1, 2, 5])
-def test_the_dashboard_fills_its_grid_and_no_title_is_cut(n_units: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("n_units", "options"), [(1, False), (2, False), (5, False), (1, True), (2, True)])
+def test_the_dashboard_fills_its_grid_and_no_title_is_cut(n_units: int, options: bool, tmp_path: Path) -> None:
     """Panels laid out by how many there are (one unit: a full 2 x 3 grid, not a column beside an empty
-    half); every title inside the page and clear of its neighbours'."""
+    half; a fewer-bytes option on: one more run-wide panel); every title inside the page and clear of its
+    neighbours'."""
     units = [f"blocks.{i}" for i in range(n_units)]
     signals = ["loss", "grad_norm_local", "grad_norm"]
     signals += [f"{prefix}/{unit}" for prefix, _ in UNIT_SIGNALS for unit in units]
-    values = np.abs(np.random.default_rng(0).standard_normal((6, 2, len(signals)))) + 0.1
-    fig = render_png(VitalsHistory(list(range(6)), signals, values), [], tmp_path / "vitals.png")
-    rows, cols, cells = panel_grid(n_units)
+    curves = [f"option_error/{option}/{unit}" for option in ("gather", "reduce") for unit in units] if options else []
+    values = np.abs(np.random.default_rng(0).standard_normal((6, 2, len(signals) + len(curves)))) + 0.1
+    history = VitalsHistory(list(range(6)), signals + curves, values, global_signals=["grad_norm", *curves])
+    fig = render_png(history, [], tmp_path / "vitals.png")
+    rows, cols, cells = panel_grid(n_units, int(options))
     assert len(fig.axes) == len(cells) and sum(span for _, _, span in cells) == rows * cols  # no empty cell
     canvas = FigureCanvasAgg(fig)
     canvas.draw()  # the constrained layout, as saved
@@ -243,3 +252,20 @@ def test_the_dashboard_fills_its_grid_and_no_title_is_cut(n_units: int, tmp_path
     for i, a in enumerate(boxes):
         for b in boxes[i + 1 :]:
             assert not a.overlaps(b), (a, b)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert any(t.startswith("fewer-bytes options") for t in titles) == options, titles
+    if options:  # a curve per option and unit, a legend naming the units
+        (panel,) = [ax for ax in fig.axes if ax.get_title().startswith("fewer-bytes options")]
+        assert len(panel.get_lines()) == len(curves)
+        assert {t.get_text() for t in panel.get_legend().get_texts()} == set(units)
+
+
+def test_the_options_panel_says_why_it_has_no_curve(tmp_path: Path) -> None:
+    signals = ["loss", "grad_norm_local", "grad_norm", "option_error/reduce/root"]
+    values = np.full((3, 2, 4), 0.5)
+    values[:, :, 3] = math.nan  # accumulation: no logged step reduced
+    why = "no packed reduction ran in a logged step"
+    history = VitalsHistory([0, 1, 2], signals, values, global_signals=signals[2:], reasons={signals[3]: why})
+    fig = render_png(history, [], tmp_path / "vitals.png")
+    (panel,) = [ax for ax in fig.axes if ax.get_title().startswith("fewer-bytes options")]
+    assert [t.get_text() for t in panel.texts] == [why] and not panel.get_lines()

@@ -5,7 +5,8 @@ the peak of gathered units, and what the collectives recorded (calls, bytes, sec
 their share of the step). Every ``log_every_n_steps`` the ranks' figures go to Lightning's logger
 (``shardlab/rank{r}/...``). When ``fit`` ends it prints the tables, each measured figure beside what
 budget/predicted/zero_table.py predicts from the layout (budget/report.py assembles a rank's figures, budget/tables.py
-prints them), and writes ``shardlab_budget.json`` beside the logs. Per-step
+prints them), and writes ``shardlab_budget.json`` beside the logs; with each fewer-bytes option's error (where one is
+on) and its time saved on the link the run probed (``option_savings``). Per-step
 communication is the steady state: the first optimizer step is a warm-up and left out. A hybrid or
 regrouped run (comm/mesh.py) also gets its communication by group: inside shard groups, across them,
 inside reshard groups (``comm_per_step_by_scope``, set beside the prediction's ``by_scope``). Whole-tensor
@@ -34,7 +35,7 @@ from lightning_shardlab.budget.bars import write_bars
 from lightning_shardlab.budget.measured.activations import ActivationMeter
 from lightning_shardlab.budget.measured.local_link import measure_run_link
 from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES, live_storages, measure_memory
-from lightning_shardlab.budget.measured.option_error import gather_error_sums, option_error
+from lightning_shardlab.budget.measured.option_error import option_error
 from lightning_shardlab.budget.measured.step_peak import StepPeak
 from lightning_shardlab.budget.measured.step_time import TimeMeter, align_timelines
 from lightning_shardlab.budget.measured.tiers import tier_counters
@@ -42,12 +43,16 @@ from lightning_shardlab.budget.predicted.activation_prediction import meta_clone
 from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, link_share, median_rate, sharing_cores
 from lightning_shardlab.budget.predicted.compute_trace import unit_flops_for_batch
 from lightning_shardlab.budget.predicted.optimizer_peak import optimizer_step_bytes
+from lightning_shardlab.budget.predicted.option_savings import run_option_savings
+from lightning_shardlab.budget.predicted.plan import link_seconds
 from lightning_shardlab.budget.predicted.run_time import run_rate, time_predicted_for_run
 from lightning_shardlab.budget.predicted.step_peak import predict_step_peak, timeline_for_batch
+from lightning_shardlab.budget.predicted.zero_table import Interconnect
 from lightning_shardlab.budget.report import Measured, Run, rank_report
 from lightning_shardlab.budget.tables import print_budget
 from lightning_shardlab.comm import collectives
 from lightning_shardlab.sharding.lookup import sharded_model_of
+from lightning_shardlab.sharding.packing_error import as_lists, gather_error_sums
 from lightning_shardlab.sharding.reduce_sample import ReduceSample
 
 DATA_AS_MEASURED = "as measured (the run's own data loading: not predicted)"
@@ -86,6 +91,7 @@ class ShardLabBudget(L.Callback):
         self.reduce_samples: list[tuple[int, dict[str, list[float]]]] = []  # (optimizer step, sums by unit)
         self._sample: ReduceSample | None = None  # the sampled step's comparisons, while it runs
         self._sample_step = 0  # the optimizer steps done when it began
+        self._links: tuple[Interconnect, Interconnect] | None = None  # the run's own, probed for its time prediction
         self.console = console or Console()
         self.json_name = json_name
         self.measure_step_peak = step_peak
@@ -170,6 +176,7 @@ class ShardLabBudget(L.Callback):
         self._optimizer_steps = run.step
         self._first_step = run.step
         self._warmed_up = False
+        self._links = None
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         sharded = sharded_model_of(trainer)
@@ -246,22 +253,17 @@ class ShardLabBudget(L.Callback):
     def _start_sample(self, sharded: Any, step: int) -> None:
         """Every rank alike (the same step count): the packed reductions of this optimizer step set against exact
         ones, if it is one in ``error_every`` and some flat parameter's reduction is packed."""
-        if self._sample is not None or step % self.error_every:
-            return
-        if not any(fp.reduce_packing is not None for fp in sharded.flat_params):
-            return
-        self._sample, self._sample_step = ReduceSample(), step
-        for unit in sharded.units:
-            unit.reduce_sample = self._sample
+        packed = any(fp.reduce_packing is not None for fp in sharded.flat_params)
+        if self._sample is None and not step % self.error_every and packed:  # the vitals may sample it too: joined
+            self._sample, self._sample_step = ReduceSample.join(sharded.units), step
 
     def _end_sample(self, sharded: Any, step: int) -> None:
         """The optimizer stepped: keep the sampled step's sums, and reduce exactly no more."""
         if self._sample is None or step == self._sample_step:  # a micro-batch: the step goes on
             return
         self.reduce_samples.append((step, self._sample.sums))
+        self._sample.leave(sharded.units)
         self._sample = None
-        for unit in sharded.units:
-            unit.reduce_sample = None
 
     def _batch_end(self, run: Run) -> None:
         sharded = run.sharded
@@ -363,6 +365,10 @@ class ShardLabBudget(L.Callback):
         error = option_error(everyone)
         if error:  # only where a fewer-bytes option is on
             everyone[0]["option_error"] = error
+        if self._links is not None:  # each option's bytes and time per step on the links the run probed
+            everyone[0]["option_savings"] = run_option_savings(
+                run.sharded, run.micro_batches, *self._links, link_seconds
+            )
         print_budget(self.console, everyone)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / self.json_name).write_text(json.dumps(everyone, indent=1))
@@ -391,7 +397,7 @@ class ShardLabBudget(L.Callback):
             self.activations = None
         measured = Measured(self.last, training, step_seconds, steps, self.storage_io, activations, self.peaks)
         report = {**rank_report(run, measured), "activations_predicted": self.predicted_activations}
-        gathers = gather_error_sums(run.sharded)
+        gathers = as_lists(gather_error_sums(run.sharded), "gather error")
         if gathers or self.reduce_samples:
             report["option_error_sums"] = {
                 "gather": gathers,
@@ -417,6 +423,7 @@ class ShardLabBudget(L.Callback):
         link = measure_run_link(mesh.shard) if mesh.shard.world_size > 1 else None
         inter = measure_run_link(mesh.replica) if mesh.replica.world_size > 1 else None
         rate = self._rate_in_turns(run, hosts)
+        self._links = (link or inter, inter or link) if link or inter else None
         out = time_predicted_for_run(
             run.sharded, self.predicted_work, run.micro_batches, run.precision,
             link=link, inter=inter or link, optimizers=run.optimizers, ranks_here=hosts.count(here), rate=rate,

@@ -4,7 +4,9 @@ Memory per rank by category, a line on the units (what stage 3 gathers at a time
 them), communication per step by collective (all_to_all: the bytes this rank sends), by group for hybrid or
 regrouped runs, the offload tiers, what the owners of whole-tensor optimizers (Muon, Adafactor) hold and
 exchange (budget/predicted/whole_tensor.py), the activations saved for backward by unit
-(budget/measured/activations.py), and time per step by part (budget/measured/step_time.py) with the stragglers.
+(budget/measured/activations.py), time per step by part (budget/measured/step_time.py) with the stragglers, the
+error each fewer-bytes option brings, and each one's bytes and communication time per step on the link the run
+probed for itself (budget/predicted/option_savings.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES
 from lightning_shardlab.budget.measured.tiers import tier_table
 from lightning_shardlab.comm.mesh import SCOPES
 from lightning_shardlab.core.display import mib, print_table, size
+
+OPTIONS_CAPTION = (
+    "lower bounds on the run's own link (rings: (N-1)/N of the bytes over its bandwidth, N-1 latencies a call);"
+    " saved: communication time only, packing and unpacking cost compute (docs/slow_links.md)"
+)
 
 
 def print_budget(console: Console, everyone: list[dict[str, Any]]) -> None:
@@ -38,6 +45,8 @@ def print_budget(console: Console, everyone: list[dict[str, Any]]) -> None:
         print_table(console, step_peak_table(everyone))
     if first.get("option_error"):
         print_table(console, option_error_table(first["option_error"]))
+    if first.get("option_savings"):
+        print_table(console, option_savings_table(first["option_savings"]))
     if any(r.get("time_measured") for r in everyone):
         print_table(console, time_table(everyone))
         for straggler in everyone[0].get("stragglers", []):
@@ -118,6 +127,23 @@ def option_error_table(figures: dict[str, Any]) -> Table:
             table.add_row(
                 "packed reduction", unit, f"{e['max_abs']:.3g}", f"{e['rel_l2']:.3g}", f"{worst:.3g}", sampled
             )
+    return table
+
+
+def option_savings_table(savings: dict[str, Any]) -> Table:
+    """Each fewer-bytes option against the exact run, per optimizer step on the link this run probed: bytes moved,
+    communication, and the time saved (budget/predicted/option_savings.py); the run's own choice marked."""
+    inter = savings.get("inter")
+    link = savings["link"]["name"] + (f"; across shard groups {inter['name']}" if inter else "")
+    table = Table(
+        title=f"shardlab budget: the fewer-bytes options per optimizer step on this run's link ({link})",
+        caption=OPTIONS_CAPTION,
+    )
+    for col in ("option", "MiB moved", "communication >=, ms", "saved, ms"):
+        table.add_column(col, justify="left" if col == "option" else "right")
+    for row in savings["rows"]:
+        name = row["option"] + (" (this run)" if row.get("this_run") else "")
+        table.add_row(name, mib(row["bytes"]), f"{row['comm_seconds'] * 1e3:.3f}", f"{row['saved_seconds'] * 1e3:.3f}")
     return table
 
 

@@ -48,12 +48,17 @@ class Packing:
         return self.blocks(numel) * 4 + numel + (-numel % 4) if self.blocks_scaled else 2 * numel
 
     def pack(self, x: Tensor) -> Tensor:
-        """``x`` (1-D, any floating dtype) as ``nbytes(x.numel())`` bytes (1-D uint8)."""
+        """``x`` (1-D, any floating dtype) as ``nbytes(x.numel())`` bytes (1-D uint8): int8 blocks quantized
+        straight into the message's two parts."""
         if not self.blocks_scaled:
             return x.to(getattr(torch, self.name)).view(torch.uint8)
-        scales, q = quantize(x.float(), self.block)
-        pad = torch.zeros(-x.numel() % 4, dtype=torch.uint8, device=x.device)
-        return torch.cat([scales.view(torch.uint8), q.view(torch.uint8), pad])
+        n, n_scales = x.numel(), 4 * self.blocks(x.numel())
+        packed = torch.empty(self.nbytes(n), dtype=torch.uint8, device=x.device)
+        packed[n_scales + n :].zero_()  # the padding: the same bytes on every rank
+        quantize_into(
+            x, self.block, packed[:n_scales].view(torch.float32), packed[n_scales : n_scales + n].view(torch.int8)
+        )
+        return packed
 
     def unpack(self, packed: Tensor, out: Tensor) -> Tensor:
         """``out`` (1-D, ``numel``, any floating dtype) takes the values ``packed`` (from ``pack``) carries."""
@@ -62,6 +67,8 @@ class Packing:
         n_scales = self.blocks(out.numel()) * 4
         scales = packed[:n_scales].view(torch.float32)
         q = packed[n_scales : n_scales + out.numel()].view(torch.int8)
+        if out.dtype == torch.float32 and out.is_contiguous():
+            return dequantize_into(scales, q, self.block, out)
         return out.copy_(dequantize(scales, q, self.block))
 
 
@@ -75,22 +82,43 @@ def packing_for(option: str | None, block: int = DEFAULT_BLOCK) -> Packing | Non
     return None if name is None else Packing(name, block if name == "int8" else 0)
 
 
+def _blocks(t: Tensor, block: int) -> list[Tensor]:
+    """``t`` (1-D) as its whole blocks (rows of ``block``) and its last, shorter block (one row), views."""
+    whole = t.numel() - t.numel() % block
+    return [v for v in (t[:whole].view(-1, block), t[whole:].view(1, -1)) if v.numel()]
+
+
+def quantize_into(x: Tensor, block: int, scales: Tensor, q: Tensor) -> None:
+    """``x`` (1-D) quantized by blocks of ``block`` elements into ``scales`` (fp32, one per block) and ``q`` (int8,
+    like ``x``). A block holding inf or NaN gets scale NaN (its values then come back NaN)."""
+    x, rows = x.float(), 0
+    for xs, qs in zip(_blocks(x, block), _blocks(q, block)):
+        ss = scales[rows : rows + xs.shape[0]]
+        rows += xs.shape[0]
+        absmax = xs.abs().amax(dim=1)
+        torch.div(absmax, LEVELS, out=ss)
+        steps = xs / torch.where(ss > 0, ss, 1.0)[:, None]  # a block of zeros divides by 1: zeros
+        qs.copy_(steps.round_().clamp_(-LEVELS, LEVELS).nan_to_num_(0.0))
+        ss.masked_fill_(~torch.isfinite(absmax), float("nan"))
+
+
 def quantize(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
     """``x`` (1-D fp32) -> (scales: fp32, one per block of ``block`` elements; q: int8, like ``x``)."""
-    n = x.numel()
-    padded = torch.nn.functional.pad(x, (0, -n % block)).view(-1, block)  # blocks x block
-    absmax = padded.abs().amax(dim=1)
-    scales = absmax / LEVELS
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # a block of zeros divides by 1: zeros
-    q = torch.round(padded / safe[:, None]).clamp_(-LEVELS, LEVELS)
-    q = torch.where(torch.isfinite(scales)[:, None], q, torch.zeros_like(q))
-    return torch.where(torch.isfinite(absmax), scales, torch.full_like(scales, float("nan"))), q.view(-1)[:n].to(
-        torch.int8
-    )
+    scales = torch.empty(-(-x.numel() // block), device=x.device)
+    q = torch.empty(x.numel(), dtype=torch.int8, device=x.device)
+    quantize_into(x, block, scales, q)
+    return scales, q
+
+
+def dequantize_into(scales: Tensor, q: Tensor, block: int, out: Tensor) -> Tensor:
+    """``out`` (1-D fp32, like ``q``) takes ``q * scale`` of its block."""
+    rows = 0
+    for qs, outs in zip(_blocks(q, block), _blocks(out, block)):
+        outs.copy_(qs).mul_(scales[rows : rows + qs.shape[0], None])
+        rows += qs.shape[0]
+    return out
 
 
 def dequantize(scales: Tensor, q: Tensor, block: int) -> Tensor:
     """``q * scale`` of its block: 1-D fp32, like ``q``."""
-    n = q.numel()
-    padded = torch.nn.functional.pad(q.float(), (0, -n % block)).view(-1, block)
-    return (padded * scales[:, None]).view(-1)[:n]
+    return dequantize_into(scales, q, block, torch.empty(q.numel(), device=q.device))

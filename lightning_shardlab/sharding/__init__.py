@@ -11,6 +11,7 @@ In the order a step meets them:
     hooks.py            the forward and backward hooks that drive the units
     gradients.py        flat gradients, grad shards, and what the optimizer sees
     reduce_sample.py    a packed reduction's error, sampled: an exact reduce-scatter beside it, once in a while
+    packing_error.py    what packing loses, per unit: sums against the exact values, combined over ranks
     unused_params.py    the ranks' agreement on which parameters got gradients
     divergent_units.py  what a collective mismatch between units means, and the fix
     build.py            ``shard_model``: a module made into units of flat parameters, in place

@@ -18,6 +18,9 @@ per replica (each rank's own data: one curve per rank, overlaid)
 global (the same on every rank by construction: drawn once, in black, never an outlier)
     grad_norm                 the norm of the averaged gradient the optimizer steps with (before clipping)
     update_ratio/<unit>       |Δw| / |w| of the unit's weights in this optimizer step
+    option_error/gather|reduce/<unit>  only where a fewer-bytes option is on (``gather_dtype``, ``reduce_dtype``):
+                              the relative error it brings, against the masters and an exact reduction
+                              (vitals/option_curves.py)
 
 Shards are not compared with each other: rank r's shard is a different slice from rank s's, so shard
 norms differ by construction. Global signs are summed from every rank's shard instead. Every sign is summed
@@ -53,6 +56,7 @@ from lightning_shardlab.comm.host_reads import to_device, to_host
 from lightning_shardlab.core.config import check_int, check_positive
 from lightning_shardlab.sharding.lookup import sharded_model_of
 from lightning_shardlab.vitals.dashboard import VitalsHistory, write_dashboard
+from lightning_shardlab.vitals.option_curves import OptionCurves
 
 
 @dataclass
@@ -141,6 +145,7 @@ class ShardLabVitals(L.Callback):
         self.units: list[VitalUnit] = []
         self.sharded: Any = None
         self.activations: ActivationStats | None = None
+        self.options = OptionCurves(None)  # the fewer-bytes options' error curves (none with the defaults)
         self.batches = 0
         self.steps: list[int] = []
         self.rows: list[np.ndarray] = []  # rank 0: (world, per-rank signals + global signals) per logged step
@@ -160,7 +165,7 @@ class ShardLabVitals(L.Callback):
 
     @property
     def global_signals(self) -> list[str]:
-        return ["grad_norm", *(f"update_ratio/{u.name}" for u in self.units)]
+        return ["grad_norm", *(f"update_ratio/{u.name}" for u in self.units), *self.options.signals]
 
     # ---- hooks ----
 
@@ -176,6 +181,7 @@ class ShardLabVitals(L.Callback):
         self.units, self.sharded, self.device = units, sharded, device
         self._zero, self._loggers, self._gather_row, self._title = zero, loggers, gather, title
         self.activations = ActivationStats(self.units, device)
+        self.options = OptionCurves(sharded)
         if self.sharded is not None:
             self.sharded.grad_observers.append(self._observe_flat_grad)
         self.batches, self.steps, self.rows = 0, [], []
@@ -227,6 +233,8 @@ class ShardLabVitals(L.Callback):
     ) -> None:
         assert self.activations is not None
         self.activations.active = self.batches % self.every_n_steps == 0
+        if self.activations.active:
+            self.options.start()
         self.activations.sums.clear()
         self._local_sq.clear()
         self._shard_grad_sq, self._before = None, None
@@ -256,6 +264,7 @@ class ShardLabVitals(L.Callback):
         timing = self._timing()
         if self.activations.active:
             self._record(self._measure(outputs, timing))
+        self.options.end()
         self.activations.active = False
         self.batches += 1
 
@@ -286,6 +295,7 @@ class ShardLabVitals(L.Callback):
         if self.activations is not None:
             self.activations.remove()
             self.activations = None
+        self.options.end()
         if self.sharded is not None and self._observe_flat_grad in self.sharded.grad_observers:
             self.sharded.grad_observers.remove(self._observe_flat_grad)
 
@@ -311,6 +321,7 @@ class ShardLabVitals(L.Callback):
             parts += [self.activations.take(unit.name), norm.reshape(1)]
         parts.append((self._scalar(math.nan) if self._shard_grad_sq is None else self._shard_grad_sq).reshape(1))
         parts += [self._update_sums(i, unit) for i, unit in enumerate(self.units)]
+        parts.append(self.options.sums(self.device))  # empty with the defaults
         return torch.cat(parts)
 
     def _scalar(self, value: float) -> Tensor:
@@ -339,7 +350,7 @@ class ShardLabVitals(L.Callback):
     def _globals(self, everyone: np.ndarray) -> list[float]:
         """grad_norm and each unit's update ratio from every rank's sums: shards partition the weights (sum those
         of one shard group: ranks 0..G-1; hybrid sharding's other groups are replicas); whole copies are the same
-        everywhere (take rank 0's)."""
+        everywhere (take rank 0's). The options' error: over every rank, as the budget combines it."""
         n = len(self.signals)
         group = self.sharded.mesh.shard.world_size if self.sharded is not None else 1
         parts = everyone[:group, n:]
@@ -350,7 +361,7 @@ class ShardLabVitals(L.Callback):
                 delta, weight = parts[:, 1 + 2 * i], parts[:, 2 + 2 * i]
                 ok = not np.isnan(delta).all() and np.nansum(weight) > 0
                 out.append(float(math.sqrt(np.nansum(delta) / np.nansum(weight))) if ok else math.nan)
-        return out
+        return out + self.options.values(everyone[:, n + 1 + 2 * len(self.units) :])  # over every rank
 
     def _record(self, row: Tensor) -> None:
         everyone = self._gather_row(row).numpy()  # (world, row)
@@ -378,7 +389,9 @@ class ShardLabVitals(L.Callback):
             if not np.isnan(values[:, :, k]).all():
                 continue
             kind, _, unit = signal.partition("/")
-            if unit in frozen and kind in ("grad_norm_local", "update_ratio"):
+            if signal in self.options.signals:
+                reasons[signal] = self.options.reason(signal)
+            elif unit in frozen and kind in ("grad_norm_local", "update_ratio"):
                 reasons[signal] = "frozen: no gradient, no update"
             elif kind.startswith("act_"):
                 reasons[signal] = "its own forward never ran (training_step calls its children)"

@@ -13,7 +13,8 @@ stand out, and ``find_outliers`` marks it:
 With two ranks both deviate equally from their median, so an outlier marks the pair; three or more
 ranks name the odd one. Signals that are the same on every rank by construction (the averaged
 gradient's norm, update ratios) are drawn once, in black, and never compared; a panel without data
-says why (a frozen unit, a module whose own forward never runs).
+says why (a frozen unit, a module whose own forward never runs). Where a fewer-bytes option is on, one more
+run-wide panel draws the error it brings per unit (vitals/option_curves.py): global signs too, never compared.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ LINEAR = ("loss", "act_mean")  # signals that may be negative; the rest are comp
 # where each rank's time goes: drawn, never outliers (a shared machine's timings are noisy step by step; the budget
 # names a rank that is slow over windows of steps: budget/measured/stragglers.py)
 TIMING = (("step_seconds", "step time, s"), ("comm_blocked_seconds", "blocked on collectives, s"))
+OPTION_ERROR = "option_error/"  # the fewer-bytes options' error per unit: one panel, a curve per option and unit
 
 
 @dataclass
@@ -130,18 +132,19 @@ UNIT_SIGNALS = (
 )
 
 
-def panel_grid(n_units: int) -> tuple[int, int, list[tuple[int, int, int]]]:
+def panel_grid(n_units: int, extra: int = 0) -> tuple[int, int, list[tuple[int, int, int]]]:
     """Rows, columns and each panel's (row, first column, columns spanned), in drawing order: the run-wide panels
-    (the loss, the gradient norm, the step time, the time blocked on collectives), then each unit signal for each
-    unit. Several units: a row per signal, a column per unit, the top row split between the run-wide panels. One
-    unit (or none): its panels after the run-wide ones, four to a row. No cell is left empty."""
-    run_wide = 2 + len(TIMING)
+    (the loss, the gradient norm, the step time, the time blocked on collectives, and ``extra`` ones: the options'
+    error), then each unit signal for each unit. The top row is split between the run-wide panels. Several units:
+    then a row per signal, a column per unit. One unit: its panels in one row. The columns are a multiple of every
+    row's panels, so each row's panels are as wide as each other; no cell is left empty."""
+    run_wide = 2 + len(TIMING) + extra
     if n_units <= 1:
-        n = run_wide + len(UNIT_SIGNALS) * n_units
-        return n // run_wide, run_wide, [(k // run_wide, k % run_wide, 1) for k in range(n)]
-    cols = max(n_units, run_wide)
-    rows = [(0, run_wide)] + [(i, n_units) for i in range(1, 1 + len(UNIT_SIGNALS))]
-    return 1 + len(UNIT_SIGNALS), cols, [cell for row, n in rows for cell in _split(row, n, cols)]
+        rows = [(0, run_wide)] + ([(1, len(UNIT_SIGNALS))] if n_units else [])
+    else:
+        rows = [(0, run_wide)] + [(i, n_units) for i in range(1, 1 + len(UNIT_SIGNALS))]
+    cols = math.lcm(*(n for _, n in rows))
+    return len(rows), cols, [cell for row, n in rows for cell in _split(row, n, cols)]
 
 
 def _split(row: int, n: int, cols: int) -> list[tuple[int, int, int]]:
@@ -157,10 +160,13 @@ def render_png(history: VitalsHistory, outliers: list[Outlier], path: Path, max_
     from matplotlib.lines import Line2D
 
     units = _pick(history.units(), max_units)
-    rows, cols, cells = panel_grid(len(units))
-    fig = Figure(figsize=(3.4 * cols, 2.6 * rows + 0.8), layout="constrained")
-    grid = fig.add_gridspec(rows, cols)
-    axes = [fig.add_subplot(grid[r, c : c + span]) for r, c, span in cells]
+    options = [s for s in history.signals if s.startswith(OPTION_ERROR)]
+    rows, cols, cells = panel_grid(len(units), 1 if options else 0)
+    widest = max(sum(1 for cell in cells if cell[0] == row) for row in range(rows))  # panels in the fullest row
+    fig = Figure(figsize=(3.4 * widest, 2.6 * rows + 0.8), layout="constrained")
+    # a grid per row: the layout sets each row's margins by its own panels (rows split differently do not share edges)
+    grid = [row.subgridspec(1, cols) for row in fig.add_gridspec(rows, 1)]
+    axes = [fig.add_subplot(grid[r][0, c : c + span]) for r, c, span in cells]
     colors = colormaps["tab10"]
     marks = {(o.signal, o.rank, o.step) for o in outliers}
     _panel(axes[0], history, "loss", "loss", colors, marks, log=False)
@@ -172,8 +178,10 @@ def render_png(history: VitalsHistory, outliers: list[Outlier], path: Path, max_
         )
     for ax, (signal, title) in zip(axes[2:], TIMING):
         _panel(ax, history, signal, title, colors, marks, log=False)
+    if options:
+        _options_panel(axes[2 + len(TIMING)], history, options, colors)
     panels = [(f"{prefix}/{unit}", f"{title} ({unit})") for prefix, title in UNIT_SIGNALS for unit in units]
-    for ax, (signal, title) in zip(axes[2 + len(TIMING) :], panels):
+    for ax, (signal, title) in zip(axes[2 + len(TIMING) + bool(options) :], panels):
         _panel(ax, history, signal, title, colors, marks, log=True)
     handles = [Line2D([], [], color=colors(r % 10), label=f"rank {r}") for r in range(history.world_size)]
     handles.append(Line2D([], [], color="black", label="the same on every rank"))
@@ -210,6 +218,33 @@ def _panel(ax, history: VitalsHistory, signal: str, title: str, colors, marks: s
             ax.scatter(*zip(*bad), color="red", marker="x", s=28, zorder=3)
     if log and np.nanmin(np.where(series > 0, series, np.nan), initial=np.inf) < np.inf:
         ax.set_yscale("log")
+    return ax
+
+
+def _options_panel(ax, history: VitalsHistory, signals: list[str], colors):  # noqa: ANN001, ANN202
+    """The fewer-bytes options' relative error per unit, all ranks' together: a colour per unit, solid for the int8
+    gathers, dashed for the packed reductions; without data, why."""
+    ax.set_title("fewer-bytes options: relative error\n(solid: int8 gathers, dashed: reductions)", fontsize=8)
+    ax.tick_params(labelsize=7)
+    drawn = [s for s in signals if not np.isnan(history.series(s)[:, 0]).all()]
+    if not drawn:
+        why = history.reasons.get(signals[0], "no data")
+        ax.text(0.5, 0.5, why, ha="center", va="center", wrap=True, fontsize=7, color="gray", transform=ax.transAxes)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return ax
+    from matplotlib.lines import Line2D
+
+    units = list(dict.fromkeys(s.split("/", 2)[2] for s in signals))
+    for signal in drawn:
+        _, option, unit = signal.split("/", 2)
+        style = "-" if option == "gather" else "--"
+        ax.plot(history.steps, history.series(signal)[:, 0], color=colors(units.index(unit) % 10), linestyle=style,
+                linewidth=1.0)  # fmt: skip
+    if np.nanmin(np.stack([history.series(s)[:, 0] for s in drawn])) > 0:
+        ax.set_yscale("log")
+    if len(units) <= 6:  # a colour per unit
+        ax.legend(handles=[Line2D([], [], color=colors(i % 10), label=u) for i, u in enumerate(units)], fontsize=6)
     return ax
 
 

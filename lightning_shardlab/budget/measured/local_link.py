@@ -8,7 +8,9 @@ and calls on one link follow each other, so a batch takes ``CALLS`` times that: 
 the two sizes and the latency what is left of the small batch. Two sizes, not a one-element call for the latency:
 on a shared machine one tiny call's time jumps many-fold between runs (a message too small to be pushed at once
 waits for the stack's timer) while calls of real size do not, and subtracting such a latency from a large call's
-time made a link read several times too fast.
+time made a link read several times too fast. On a CPU the probe also times a small call inside a busy loop
+(comm/link_probe.py's ``time_busy_call``): the compute each call takes (``Interconnect.launch``) and its wait, the
+latency a busy rank sees, which the link takes when it is the longer (0 and the batches' alone on a GPU).
 """
 
 from __future__ import annotations
@@ -23,11 +25,21 @@ from lightning_shardlab.comm.link_probe import time_gather_batches, time_local_a
 CALLS = 4  # all-gathers per timed batch
 SIZES = (64 * 2**10, 4 * 2**20)  # bytes per rank of each call: the small and the large batch
 GATHERED = 64 * 2**20  # bytes: the most a run's probe gathers at once (its large calls shrink on many ranks)
+REPEATS = 15  # timed batches per size, their median kept: with 3, the fitted latency moved 10x between runs here
 
 
-def fit_link(name: str, seconds: list[float], world_size: int, sizes: tuple[int, int] = SIZES) -> Interconnect:
+def fit_link(
+    name: str,
+    seconds: list[float],
+    world_size: int,
+    sizes: tuple[int, int] = SIZES,
+    launch: float = 0.0,
+    busy_wait: float = 0.0,
+) -> Interconnect:
     """The link whose ring all-gathers take ``seconds`` for a batch of ``CALLS`` calls of each of ``sizes`` bytes
-    per rank on ``world_size`` ranks: bandwidth from the slope, latency from the intercept (at least 0)."""
+    per rank on ``world_size`` ranks: bandwidth from the slope, latency from the intercept (at least 0), or the
+    ``busy_wait`` of one small call over its N-1 messages where that is longer; ``launch`` the compute one call
+    takes (``time_busy_call``)."""
     (small, large), (t_small, t_large) = sizes, seconds
     hops = CALLS * (world_size - 1)  # messages of one rank per batch, each of one shard
     if t_large > t_small:
@@ -35,18 +47,27 @@ def fit_link(name: str, seconds: list[float], world_size: int, sizes: tuple[int,
         latency = max(t_small - hops * small / bandwidth, 0.0) / hops
     else:  # noise swamped the difference: the large batch alone, its latency counted as transfer
         bandwidth, latency = hops * large / t_large, 0.0
-    return Interconnect(f"{name}: {bandwidth / 1e9:.2f} GB/s, {latency * 1e6:.0f} us", bandwidth, latency)
+    busy = busy_wait / max(world_size - 1, 1)
+    if busy > latency:
+        latency, name = busy, f"{name} (latency as a busy rank waits)"
+    posted = f", {launch * 1e6:.0f} us of compute a call" if launch else ""
+    return Interconnect(
+        f"{name}: {bandwidth / 1e9:.2f} GB/s, {latency * 1e6:.0f} us{posted}", bandwidth, latency, launch
+    )
 
 
-def measure_local_link(repeats: int = 3) -> Interconnect:
+def measure_local_link(repeats: int = REPEATS) -> Interconnect:
     """The link between two ranks of their own on this machine (gloo), from batches of all-gathers at two sizes."""
-    return fit_link("local, measured", time_local_all_gathers(SIZES, CALLS, repeats), 2)
+    times = time_local_all_gathers(SIZES, CALLS, repeats)
+    return fit_link("local, measured", times.batches, 2, launch=times.launch, busy_wait=times.wait)
 
 
-def measure_run_link(comm: Comm, repeats: int = 3) -> Interconnect:
+def measure_run_link(comm: Comm, repeats: int = REPEATS) -> Interconnect:
     """Collective (every rank of ``comm``): the run's own link, timed with its own all-gathers (its transport, its
     ranks), the slowest rank's medians deciding so that every rank predicts from the same link."""
     sizes = (SIZES[0], max(2 * SIZES[0], min(SIZES[1], GATHERED // (CALLS * comm.world_size)) // 4 * 4))
     times = time_gather_batches(comm, sizes, CALLS, repeats)
-    slowest = collectives.all_reduce(torch.tensor(times, dtype=torch.float64), comm, op="max", label="link probe")
-    return fit_link(f"this run's {comm.scope} group, measured", slowest.tolist(), comm.world_size, sizes)
+    figures = torch.tensor([*times.batches, times.launch, times.wait], dtype=torch.float64)
+    slowest = collectives.all_reduce(figures, comm, op="max", label="link probe").tolist()
+    name = f"this run's {comm.scope} group, measured"
+    return fit_link(name, slowest[:2], comm.world_size, sizes, launch=slowest[2], busy_wait=slowest[3])

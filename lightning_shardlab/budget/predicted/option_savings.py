@@ -6,19 +6,24 @@ the packings of comm/packing.py) set on the plan's links (plan.py ``link_seconds
 against the exact run (``reduce_dtype`` and ``gather_dtype`` off, the plan's other options as given), and then both
 int8 options together. A saving is a lower bound's difference: packing and unpacking cost compute time, which is
 not counted here (docs/slow_links.md measures it).
+
+``ShardLabBudget`` sets the same rows on the link the run measured for itself (``run_option_savings``: its units as
+they ran, its precision, micro-batches and groups), for its end-of-fit table.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from lightning_shardlab.budget.predicted.zero_table import Traffic, predict_traffic
+from lightning_shardlab.budget.predicted.zero_table import Interconnect, Traffic, predict_traffic
 from lightning_shardlab.comm.packing import packing_for
-from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.core.config import Accumulation, PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
+from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 OPTIONS = (  # (what the table calls it, the options it sets)
     ("reduce_dtype='bf16'", {"reduce_dtype": "bf16"}),
@@ -35,15 +40,20 @@ def option_savings(
     replicas: int,
     reshard: int | None,
     seconds_of: Callable[[Traffic], float],
+    *,
+    micro_batches: int = 1,
+    reduce_every_micro_batch: bool = True,
 ) -> list[dict[str, Any]]:
     """Rows: the exact run first, then each option that applies (int8 gathers: stage 3 only), each with its
     ``bytes`` moved per step (what travels in the rings, full tensors), ``comm_seconds`` (``seconds_of`` its
-    traffic: the plan's lower bound on its links) and ``saved_seconds`` against the exact run."""
-    rows = [_row("exact", {}, units, config, compute, replicas, reshard, seconds_of)]
+    traffic: the plan's lower bound on its links) and ``saved_seconds`` against the exact run (gradients reduced in
+    their masters' dtype). A run's micro-batches per step, and whether each reduces, may be given."""
+    steps = (PrecisionPolicy(compute, None), micro_batches, reduce_every_micro_batch)
+    rows = [_row("exact", {}, units, config, steps, replicas, reshard, seconds_of)]
     for name, options in OPTIONS:
         if "gather_dtype" in options and config.stage is not Stage.PARAMETERS:
             continue  # weights stay resident at stages 1-2: nothing to gather per unit
-        rows.append(_row(name, options, units, config, compute, replicas, reshard, seconds_of))
+        rows.append(_row(name, options, units, config, steps, replicas, reshard, seconds_of))
     for row in rows:
         row["saved_seconds"] = rows[0]["comm_seconds"] - row["comm_seconds"]
     return rows
@@ -54,15 +64,18 @@ def _row(
     options: dict[str, str],
     units: dict[str, list[FlatParamLayout]],
     config: ShardLabConfig,
-    compute: torch.dtype | None,
+    steps: tuple[PrecisionPolicy, int, bool],
     replicas: int,
     reshard: int | None,
     seconds_of: Callable[[Traffic], float],
 ) -> dict[str, Any]:
+    policy, micro_batches, reduce_every_micro_batch = steps
     traffic = predict_traffic(
         units,
         config.stage,
-        PrecisionPolicy(compute, None),
+        policy,
+        micro_batches,
+        reduce_every_micro_batch,
         reshard_after_forward=config.reshard_after_forward,
         replicas=replicas,
         reshard_size=reshard,
@@ -71,3 +84,29 @@ def _row(
     )
     moved = traffic.scope_bytes(*traffic.by_scope, rings=True)
     return {"option": name, "bytes": moved, "comm_seconds": seconds_of(traffic)}
+
+
+def run_option_savings(
+    sharded: ShardedModel, micro_batches: int, intra: Interconnect, inter: Interconnect, link_seconds: Callable
+) -> dict[str, Any]:
+    """``option_savings`` for a run (``ShardLabBudget``): its units in the order their forward ran, its options and
+    compute dtype, its micro-batches per step and its groups, timed on the links it probed for itself (``intra``
+    inside its shard groups, ``inter`` across them) as the plan times its own (plan.py's ``link_seconds``, given:
+    plan.py imports this module). ``rows`` say which is the run's own choice (``this_run``)."""
+    mesh, config = sharded.mesh, sharded.config
+    units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.forward_order}
+    reshard, replicas = mesh.reshard.world_size if mesh.regrouped else None, mesh.replica.world_size
+
+    def seconds_of(traffic: Traffic) -> float:
+        return sum(link_seconds(traffic, mesh.shard.world_size, reshard, replicas, intra, inter).values())
+
+    rows = option_savings(
+        units, config, sharded.policy.compute_dtype, replicas, reshard, seconds_of,
+        micro_batches=micro_batches,
+        reduce_every_micro_batch=config.accumulation is Accumulation.REDUCE,
+    )  # fmt: skip
+    chosen = {k: v for k in ("reduce_dtype", "gather_dtype") if packing_for(v := getattr(config, k)) is not None}
+    mine = next((name for name, options in OPTIONS if options == chosen), None if chosen else "exact")
+    for row in rows:
+        row["this_run"] = row["option"] == mine  # a run with another option (fp16 reductions) has no row of its own
+    return {"link": asdict(intra), "inter": asdict(inter) if replicas > 1 else None, "rows": rows}

@@ -19,6 +19,10 @@ its end, queued behind others included: what a clock at the engine's seams sees 
   flat parameter, sized from its layout as ``predict_traffic`` counts it (compute dtype gathered; reduce dtype
   reduced). Gathers and reduce-scatters run on the link inside the shard group (the reshard group's gathers too),
   the all-reduces across replicas on the link across groups; the two links run side by side.
+- **launching a collective**: the compute one call takes from its rank (``Interconnect.launch``, measured with the
+  link: posting it and, on a CPU whose cores the ranks' compute takes, the cores its communication threads take;
+  on a GPU 0) is paid where the engine launches it: a unit's gathers in forward, its regathers and reductions in
+  backward, the refresh after the optimizer step.
 - **compute**: each unit's traced work of one micro-batch (budget/predicted/compute_trace.py) at a rate
   (budget/predicted/compute_rate.py): forward = FLOPs / FLOP/s + memory-bound bytes / bandwidth + kernels x cost
   per kernel; backward = 2 x forward (+ one more forward of its checkpointed modules under activation
@@ -88,6 +92,8 @@ class UnitTimes:
     reduce: float = 0.0  # reduce-scatter of its gradients
     across: float = 0.0  # hybrid: all-reduce of its gradient shards across the replicas
     refresh: float = 0.0  # stages 1-2: all-gather after the optimizer step
+    launch: float = 0.0  # host seconds to launch one of its collectives inside the shard group (one call per flat
+    launch_across: float = 0.0  # parameter), and one across groups: the compute stream pays them at each launch
 
 
 class Timeline:
@@ -107,6 +113,8 @@ class Timeline:
         self.hidden: dict[str, float] = {}  # kind -> seconds each call flew before its wait (queued behind others too)
         self.to_wait: dict[str, float] = {}  # kind -> seconds from each launch to the end of its wait
         self.in_flight: dict[str, float] = {}  # kind -> seconds from each launch to its end (queued behind others too)
+        self.phase = "forward"  # the part of the step compute is in: what launching a call is charged to
+        self.launching: dict[str, float] = {}  # part -> host seconds spent launching calls
 
     def _advance(self, seconds: float, speed: float) -> None:
         """The links work for the next ``seconds`` at ``speed`` x their own; calls that finish are noted."""
@@ -125,9 +133,12 @@ class Timeline:
         self._advance(seconds, self.share)
         self.now += seconds
 
-    def launch(self, key: tuple[str, str], kind: str, link: str, seconds: float) -> None:
+    def launch(self, key: tuple[str, str], kind: str, link: str, seconds: float, host: float = 0.0) -> None:
+        """The call enters its link's queue once the host has launched it (``host`` seconds of compute)."""
         if seconds <= 0 or key in self.pending:
             return
+        self.compute(host)
+        self.launching[self.phase] = self.launching.get(self.phase, 0.0) + host
         self.queues.setdefault(link, []).append([key, seconds])
         self.pending[key] = (kind, self.now)
         self.wire[kind] = self.wire.get(kind, 0.0) + seconds
@@ -173,7 +184,7 @@ class Schedule:
 def _gather(line: Timeline, unit: UnitTimes, seconds: float, started: set[str]) -> None:
     if unit.name not in started:
         started.add(unit.name)
-        line.launch(("gather", unit.name), "all_gather", INTRA, seconds)
+        line.launch(("gather", unit.name), "all_gather", INTRA, seconds, unit.launch)
 
 
 def _forward(line: Timeline, root: UnitTimes, units: list[UnitTimes], plan: Schedule) -> None:
@@ -200,9 +211,9 @@ def _reduce(line: Timeline, unit: UnitTimes, in_flight: list[UnitTimes], limit: 
     while len(in_flight) >= limit:
         done = in_flight.pop(0)
         line.wait(("reduce", done.name))
-        line.launch(("across", done.name), "all_reduce", INTER, done.across)
+        line.launch(("across", done.name), "all_reduce", INTER, done.across, done.launch_across)
     if unit.reduce or unit.across:
-        line.launch(("reduce", unit.name), "reduce_scatter", INTRA, unit.reduce)
+        line.launch(("reduce", unit.name), "reduce_scatter", INTRA, unit.reduce, unit.launch)
         in_flight.append(unit)
 
 
@@ -239,7 +250,7 @@ def _finish_backward(
     for unit in [root, *units]:
         if unit.name in flying:
             line.wait(("reduce", unit.name))
-            line.launch(("across", unit.name), "all_reduce", INTER, unit.across)
+            line.launch(("across", unit.name), "all_reduce", INTER, unit.across, unit.launch_across)
         line.wait(("across", unit.name))
     in_flight.clear()
 
@@ -259,12 +270,15 @@ def play(
     line = Timeline(link_share)
     line.compute(data)
     for i in range(micro_batches):
+        line.phase = "forward"
         _forward(line, root, units, plan)
+        line.phase = "backward"
         _backward(line, root, units, plan, reduce=not plan.defer or i == micro_batches - 1)
+    line.phase = "optimizer"
     line.compute(optimizer)
     if plan.stage is not Stage.PARAMETERS:
         for unit in [root, *units]:
-            line.launch(("refresh", unit.name), "all_gather", INTRA, unit.refresh)
+            line.launch(("refresh", unit.name), "all_gather", INTRA, unit.refresh, unit.launch)
         for unit in [root, *units]:
             line.wait(("refresh", unit.name))
     return line
@@ -290,6 +304,8 @@ def unit_times(
     """One unit's collectives from its flat parameters' layouts (one call each), beside its compute ``seconds``
     (forward, backward, root's lead forward) per micro-batch."""
     gather = regather = reduce = across = refresh = 0.0
+    calls = sum(1 for lay in layouts if lay.world_size > 1)
+    calls_across = sum(1 for lay in layouts if lay.requires_grad) if links.replicas > 1 else 0
     for lay in layouts:
         c, r = policy.compute_for(lay.dtype).itemsize, (policy.reduce_dtype or lay.dtype).itemsize
         n = lay.world_size
@@ -303,7 +319,8 @@ def unit_times(
         if lay.requires_grad and links.replicas > 1:
             across += links.inter.all_reduce_seconds(lay.shard_numel * r, links.replicas)
     forward, backward, lead = seconds
-    return UnitTimes(name, forward, backward, lead, gather, regather, reduce, across, refresh)
+    launch, launch_across = calls * links.intra.launch, calls_across * links.inter.launch
+    return UnitTimes(name, forward, backward, lead, gather, regather, reduce, across, refresh, launch, launch_across)
 
 
 def _compute_seconds(work: UnitWork | None, rate: ComputeRate, is_root: bool) -> tuple[float, float, float]:
@@ -359,10 +376,11 @@ def _result(
     times: list[UnitTimes], line: Timeline, micro_batches: int, optimizer: float, data: float
 ) -> dict[str, Any]:
     m = micro_batches
+    launching = line.launching
     parts = {
-        "forward": m * sum(t.forward for t in times),
-        "backward": m * sum(t.backward for t in times),
-        "optimizer": optimizer,
+        "forward": m * sum(t.forward for t in times) + launching.get("forward", 0.0),
+        "backward": m * sum(t.backward for t in times) + launching.get("backward", 0.0),
+        "optimizer": optimizer + launching.get("optimizer", 0.0),
         "data": data,
         "comm_exposed": sum(line.exposed.values(), 0.0),
         "waiting_for_ranks": 0.0,
@@ -419,6 +437,7 @@ def basis(rate: ComputeRate, links: Links, micro_batches: int, precision: str, o
         "engine_seconds": dataclasses.asdict(rate.engine),
         "probe_seconds": rate.probe_seconds,
         "link": links.intra.name,
+        "link_figures": dataclasses.asdict(links.intra),  # bytes/s, seconds per message, seconds to launch a call
         "inter": links.inter.name if links.replicas > 1 else None,
         "micro_batches": micro_batches,
         "precision": precision,

@@ -258,11 +258,14 @@ def zero_table_bytes(
 
 @dataclass(frozen=True)
 class Interconnect:
-    """One rank's link: bytes per second in each direction, and the latency of one message."""
+    """One rank's link: bytes per second in each direction, the latency of one message, and the compute one call
+    takes from its rank (``launch``: posting it, and on a CPU the cores its communication threads take; measured by
+    comm/link_probe.py's ``time_busy_call``; 0 where a device queues its calls ahead, as NCCL's stream does)."""
 
     name: str
     bandwidth: float
     latency: float
+    launch: float = 0.0
 
     def ring_seconds(self, nbytes: float, world_size: int, calls: int = 1) -> float:
         """Lower bound for ``calls`` ring all-gathers / reduce-scatters of ``nbytes`` full tensors in all:
