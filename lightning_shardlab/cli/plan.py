@@ -64,9 +64,7 @@ import torch
 import yaml
 from rich.console import Console
 
-from lightning_shardlab.budget.measured.tiers import (
-    LINKS,
-)
+from lightning_shardlab.budget.measured.tiers import LINKS
 from lightning_shardlab.budget.predicted.activation_trace import CONVERTED
 from lightning_shardlab.budget.predicted.compute_rate import (
     ComputeRate,
@@ -78,17 +76,10 @@ from lightning_shardlab.budget.predicted.compute_rate import (
 from lightning_shardlab.budget.predicted.engine_cost import with_engine_cost
 from lightning_shardlab.budget.predicted.fits import Setting, add_activations
 from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, plan_model, plan_params
-from lightning_shardlab.budget.predicted.plan_time import (
-    TimedSetting,
-    comm_only_time,
-    plan_time,
-)
+from lightning_shardlab.budget.predicted.plan_time import TimedSetting, plan_time
 from lightning_shardlab.budget.predicted.run_time import local_link
-from lightning_shardlab.budget.predicted.zero_table import (
-    DEVICES,
-    INTERCONNECTS,
-    Interconnect,
-)
+from lightning_shardlab.budget.predicted.step_time import Links, traffic_seconds
+from lightning_shardlab.budget.predicted.zero_table import DEVICES, INTERCONNECTS, Interconnect, Traffic
 from lightning_shardlab.cli.plan_tables import print_plan, print_time
 from lightning_shardlab.core.config import ShardLabConfig, import_path
 from lightning_shardlab.core.display import gigabytes
@@ -299,6 +290,16 @@ def make_time(args: argparse.Namespace, plan: Plan, timed: TimedSetting | None) 
     return plan_time(timed)
 
 
+def comm_only_time(plan: Plan, intra: Interconnect, inter: Interconnect) -> dict[str, Any]:
+    """What a plan without a traced micro-batch can time: each collective kind's seconds on the wire."""
+    links = Links(intra, inter, plan.replicas, plan.reshard_size)
+    return {
+        "by_collective": traffic_seconds(Traffic(**plan.traffic), plan.shard_group_size, links),
+        "note": "compute, and so what hides behind it, needs a model: --model or --config with --micro-batch-size"
+        " and --seq-len",
+    }
+
+
 def _local_ranks(args: argparse.Namespace, timed: TimedSetting) -> int:
     """The ranks the plan puts on this machine: all of them when every link is ``local``, else one node's."""
     local = {args.intra or args.interconnect, args.inter or args.interconnect} == {"local"}
@@ -312,7 +313,8 @@ def rate_here(timed: TimedSetting, ranks_here: int) -> tuple[ComputeRate, float]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = COMPUTE[timed.precision] or CONVERTED.get(timed.precision, torch.float32)
     traced = timed.compute()
-    rate = with_engine_cost(measure_rate(device, dtype, traced.matmuls, traced.memory_ops), timed.config.stage)
+    measured = measure_rate(device, dtype, traced.matmuls, traced.memory_ops, traced.flop_ops)
+    rate = with_engine_cost(measured, timed.config.stage)
     return sharing_cores(rate, ranks_here), link_share(device.type, ranks_here)
 
 

@@ -1,5 +1,5 @@
 """``shardlab plan``'s tables: bytes per rank, traffic, activations and the step peak, whole-tensor owners, time
-per step (cli/plan.py reads the inputs and runs the plan; this file prints it)."""
+per step and the changes tried (cli/plan.py reads the inputs and runs the plan; this file prints it)."""
 
 from __future__ import annotations
 
@@ -10,19 +10,10 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES
-from lightning_shardlab.budget.measured.tiers import (
-    plan_rows,
-)
+from lightning_shardlab.budget.measured.tiers import plan_rows
 from lightning_shardlab.budget.predicted.plan import Plan
-from lightning_shardlab.budget.predicted.plan_time import (
-    basis_line,
-    change_rows,
-    choice_line,
-    time_rows,
-)
-from lightning_shardlab.budget.predicted.zero_table import (
-    Traffic,
-)
+from lightning_shardlab.budget.predicted.step_time import PARTS
+from lightning_shardlab.budget.predicted.zero_table import Traffic
 from lightning_shardlab.core.display import print_table, size
 
 
@@ -209,4 +200,48 @@ def _rows_table(console: Console, title: str, columns: tuple[str, ...], rows: li
     print_table(console, table)
 
 
-# ---- the command ----
+def time_rows(time: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(label, seconds, share of the step) rows: the parts, the hidden communication, each collective kind."""
+    labels = {"comm_exposed": "comm exposed", "waiting_for_ranks": "waiting for ranks (assumed 0)"}
+    share = {part: f"{time[part] / max(time['step'], 1e-12):.0%}" for part in (*PARTS, "step")}
+    rows = [(labels.get(part, part), _ms(time[part]), share[part]) for part in (*PARTS, "step")]
+    rows.append(("comm hidden (in flight while computing)", _ms(time["comm_hidden"]), ""))
+    for kind, entry in time["by_collective"].items():
+        rows.append((f"  {kind}: on the wire / exposed", f"{_ms(entry['seconds'])} / {_ms(entry['exposed'])}", ""))
+    return rows
+
+
+def basis_line(time: dict[str, Any]) -> str:
+    basis = time["basis"]
+    across = f", across groups {basis['inter']}" if basis["inter"] else ""
+    engine = sum(basis.get("engine_seconds", {}).values())
+    costs = f" ({basis['seconds_per_op'] * 1e6:.1f} us a kernel" + (
+        f", the engine's hooks {engine * 1e6:.0f} us a unit and step)" if engine else ")"
+    )
+    share = f" at {basis['link_share']:.2f} of its speed while computing" if basis.get("link_share", 1.0) < 1 else ""
+    return (
+        f"compute at {basis['rate']}{costs}; link {basis['link']}{across}{share}; {basis['micro_batches']}"
+        f" micro-batch(es) of {basis['micro_batch_size']} per step"
+    )
+
+
+def change_rows(time: dict[str, Any]) -> list[tuple[str, ...]]:
+    """(change, step, comm exposed, vs now, note) rows, fastest first, the chosen one marked."""
+    choice = (time.get("choice") or {}).get("name")
+    return [
+        (c["name"] + (" (chosen)" if c["name"] == choice else ""), _ms(c["step"]), _ms(c["comm_exposed"]),
+         f"{(c['step'] - time['step']) * 1e3:+,.1f} ms", c["note"])
+        for c in time.get("changes", [])
+    ]  # fmt: skip
+
+
+def choice_line(time: dict[str, Any]) -> str:
+    """The cheapest change that hides communication, and what it saves."""
+    choice = time.get("choice")
+    if choice is None:
+        return "cheapest change that hides communication: none of these shortens the step"
+    saved = time["step"] - choice["step"]
+    return (
+        f"cheapest change that hides communication: {choice['name']} (step {_ms(choice['step'])}, {_ms(saved)} less,"
+        f" -{saved / time['step']:.0%})"
+    )

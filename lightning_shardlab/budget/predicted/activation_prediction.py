@@ -1,18 +1,12 @@
 """The budget's prediction of activations for the run itself: its first batch traced under fake tensors.
 
 ``ShardLabBudget`` sets the measured saved-for-backward bytes (budget/measured/activations.py) beside a prediction made
-without running the model for real (budget/predicted/activation_trace.py): before the strategy shards the module
-(Lightning's ``setup`` hook), ``meta_clone`` copies it with every parameter and buffer on the meta device (no
-data copied, no trainer, none of the engine's hooks yet); at the first training batch, that batch — made fake,
-so only its shapes and dtypes matter — goes through the clone's ``training_step`` (or ``forward`` and a loss)
-under ``FakeTensorMode``. Units and checkpointed modules come from the run's own options, so prediction and
-measurement count the same tensors the same way.
-
-A module sharded already (validated, generated from or fitted before) is copied as its user wrote it, without the
-engine's hooks; its ``training_step`` runs with its logging, metrics and trainer stood in for
-(budget/predicted/step_stand_ins.py). A model built in ``configure_model`` has no layers yet when the clone is taken,
-and a manual-optimisation ``training_step`` is not run (``forward`` and a loss stand in): where nothing traces, the
-prediction says why, in full (``error``) and in a few words (``why``).
+without running the model (budget/predicted/activation_trace.py): before the strategy shards the module, ``meta_clone``
+copies it with every tensor on the meta device (no data copied, none of the engine's hooks); at the first training
+batch, that batch (made fake) goes through the clone's step. Units and checkpointed modules come from the run's own
+options, so prediction and measurement count the same tensors the same way. A model built in ``configure_model`` has
+no layers yet when the clone is taken, and a manual-optimisation step is not run: where nothing traces, the prediction
+says why, in full (``error``) and in a few words (``why``).
 """
 
 from __future__ import annotations
@@ -22,9 +16,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves
 
-from lightning_shardlab.budget.predicted.activation_trace import trace_activations
+from lightning_shardlab.budget.predicted.activation_trace import fake_like, trace_activations
 from lightning_shardlab.budget.predicted.step_stand_ins import TrainerView, in_words
 from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.sharding import checkpointing
@@ -63,21 +57,10 @@ def meta_clone(module: nn.Module) -> nn.Module:
 def predict_for_batch(clone: nn.Module, batch: Any, config: ShardLabConfig, precision: str) -> dict[str, Any]:
     """The saved-for-backward bytes of ``clone`` on a batch shaped like ``batch``, by unit, as the run keeps them
     (with its checkpointed modules keeping only their inputs); ``{"error": why}`` when it does not trace."""
-
-    def same_batch(model: nn.Module, micro_batch_size: int, seq_len: int) -> Any:
-        return tree_map(lambda t: torch.empty_like(t, device="cpu") if isinstance(t, torch.Tensor) else t, batch)
-
-    sizes = [t.shape for t in _tensors(batch)]
-    first = sizes[0] if sizes else torch.Size()
+    first = next((t.shape for t in tree_leaves(batch) if isinstance(t, torch.Tensor)), torch.Size())
+    shape = (first[0] if len(first) > 0 else 1, first[1] if len(first) > 1 else 1)
     try:
-        trace = trace_activations(
-            clone,
-            first[0] if len(first) > 0 else 1,
-            first[1] if len(first) > 1 else 1,
-            precision,
-            config=config,
-            make_inputs=same_batch,
-        )
+        trace = trace_activations(clone, *shape, precision, config=config, make_inputs=lambda *_: fake_like(batch))
     except (ValueError, RuntimeError, TypeError) as err:
         return {"error": f"{type(err).__name__}: {err}", "why": getattr(err, "why", None) or in_words(err)}
     checkpointing = bool(config.activation_checkpointing)
@@ -89,9 +72,3 @@ def predict_for_batch(clone: nn.Module, batch: Any, config: ShardLabConfig, prec
         "seconds": trace.seconds,
         "step": trace.step,  # what ran: "training_step" or "forward"
     }
-
-
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    tree_map(lambda t: found.append(t) if isinstance(t, torch.Tensor) else None, batch)
-    return found

@@ -1,28 +1,16 @@
 """Activations predicted: one micro-batch of the user's own module traced under fake tensors, nothing allocated.
 
-``trace_activations`` runs one training forward (the LightningModule's ``training_step`` when it has one and it
-runs under fake tensors, else ``forward`` and a loss) of a model built on the meta device, under torch's
-``FakeTensorMode``: every parameter becomes a fake tensor of its shape and dtype, every op computes shapes
-only, so a 7B-shaped model traces in about a second with no memory behind its tensors. Each tensor autograd
-saves for backward passes through a ``saved_tensors_hooks`` pack hook and is counted as the run's meter counts
-it (budget/measured/activations.py: by storage, once; parameters' storages left out as model state), charged to the
-innermost unit whose forward is running (the units of sharding/policy.py; outside all of them, the root).
+One training forward (the LightningModule's ``training_step`` when it runs under fake tensors, else ``forward`` and a
+loss) of a model built on the meta device runs under torch's ``FakeTensorMode``: shapes only, so a 7B-shaped model
+traces in about a second. Each tensor autograd saves is counted by a ``saved_tensors_hooks`` pack hook as the run's
+meter counts it (budget/measured/activations.py: by storage, once; parameters left out), charged to the innermost
+unit whose forward runs (outside all of them, the root). Precision as the run computes (common/precision.py).
 
-Precision as the run computes (common/precision.py): under ``bf16-mixed`` / ``16-mixed`` the floating
-parameters are the low-precision compute copies the units gather, and the trace runs under ``torch.autocast``;
-under ``bf16-true`` parameters, buffers and the default dtype are bf16; ``32-true`` as built.
-
-Activation checkpointing (sharding/checkpointing.py chooses the modules: ``True`` = every unit's modules but the
-root's) is predicted from the same trace, since checkpointing changes what is kept, not what is computed: a
-checkpointed module keeps only its tensor inputs (positional and keyword, inside tuples too: what torch's
-checkpoint holds for the recomputation; charged to its unit, each storage once), what runs outside
-every checkpointed module saves as before, and in backward each checkpointed module's forward runs again and
-saves what it saved the first time, less its inputs (already kept): ``recompute_peak``, the largest of those, is
-live on top of the rest while that module's backward runs.
-
-Kernels are chosen for the CPU (fake tensors on device "cpu"): where a GPU picks another kernel that saves
-differently (attention's math fallback keeps the B x H x T x T weights; flash and memory-efficient attention
-keep the output and the log-sum-exp, as the CPU's flash kernel does) the figure follows the CPU's choice.
+Checkpointing changes what is kept, not what is computed, so one trace serves both: a checkpointed module keeps only
+its tensor inputs, and in backward its forward runs again, saving what it saved the first time less those inputs
+(``recompute_peak``: the largest, live on top of the rest). The helpers that run a user's step under fake tensors
+live here; budget/predicted/compute_trace.py and step_timeline.py run the step with them too. Kernels are the CPU's:
+where a GPU picks one that saves differently (attention's math fallback), the figure follows the CPU.
 """
 
 from __future__ import annotations
@@ -33,13 +21,13 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_shardlab.budget.measured.activations import ROOT, SavedBytes, storage_key
 from lightning_shardlab.budget.predicted.step_stand_ins import in_words, standing_in
@@ -52,6 +40,7 @@ Step = Callable[[nn.Module, Any], Tensor]  # (model, batch) -> the loss
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 CONVERTED = {"bf16-true": torch.bfloat16, "64-true": torch.float64}  # the module converted, and the default dtype
 LOW = {**AUTOCAST, **CONVERTED}  # the floating parameters' dtype as computed
+T = TypeVar("T")
 
 
 class Untraced(ValueError):
@@ -93,27 +82,16 @@ class ActivationTrace:
         return self.checkpointed_total if checkpointing else self.total
 
     def fields(self) -> dict[str, Any]:
-        return {
-            "micro_batch_size": self.micro_batch_size,
-            "seq_len": self.seq_len,
-            "precision": self.precision,
-            "step": self.step,
-            "by_unit": self.by_unit,
-            "total": self.total,
-            "checkpointed_by_unit": self.checkpointed_by_unit,
-            "checkpointed_total": self.checkpointed_total,
-            "recompute_peak": self.recompute_peak,
-            "checkpointed": self.checkpointed,
-            "seconds": self.seconds,
-        }
+        """The plan's ``activations``: the figures with their totals, each unit's recomputation left out."""
+        names = "micro_batch_size seq_len precision step by_unit total checkpointed_by_unit checkpointed_total"
+        return {name: getattr(self, name) for name in (*names.split(), "recompute_peak", "checkpointed", "seconds")}
 
 
 # ---- the batch and the loss, for token models unless the caller gives its own ----
 
 
 def vocab_size(model: nn.Module) -> int:
-    """The number of token ids: a Hugging Face config's ``vocab_size``, the hyperparameter, else the first
-    embedding's rows. ``ValueError`` when none says."""
+    """A Hugging Face config's ``vocab_size``, the hyperparameter, else the first embedding's rows."""
     for holder in (getattr(model, "config", None), getattr(model, "hparams", None)):
         value = holder.get("vocab_size") if isinstance(holder, Mapping) else getattr(holder, "vocab_size", None)
         if isinstance(value, int):
@@ -163,10 +141,17 @@ def forward_step(model: nn.Module, batch: Any) -> Tensor:
 STEPS: dict[str, Step] = {"training_step": lightning_step, "forward": forward_step}  # by ActivationTrace.step
 
 
-def _has_training_step(model: nn.Module) -> bool:
+def steps_for(model: nn.Module) -> list[Step]:
+    """The ways to run ``model``'s step, in order: its own ``training_step`` (a LightningModule's), then ``forward``."""
     from lightning.pytorch import LightningModule
 
-    return isinstance(model, LightningModule) and type(model).training_step is not LightningModule.training_step
+    own = isinstance(model, LightningModule) and type(model).training_step is not LightningModule.training_step
+    return [lightning_step, forward_step] if own else [forward_step]
+
+
+def fake_like(batch: Any) -> Any:
+    """``batch`` with each tensor an empty one of its shape and dtype on the CPU (fake, made inside a fake mode)."""
+    return tree_map(lambda t: torch.empty_like(t, device="cpu") if isinstance(t, Tensor) else t, batch)
 
 
 # ---- the fake model ----
@@ -174,9 +159,8 @@ def _has_training_step(model: nn.Module) -> bool:
 
 @contextmanager
 def fake_parameters(model: nn.Module, mode: FakeTensorMode, precision: str) -> Iterator[set[int]]:
-    """Inside: ``model``'s parameters and buffers are fake tensors on the CPU (tied parameters stay tied; floating
-    ones in the compute dtype of ``precision``, buffers too under bf16-true and 64-true); yields the parameters'
-    storage keys. The model's own tensors are put back on leaving."""
+    """Inside: ``model``'s parameters and buffers are fake tensors on the CPU (tied ones stay tied; floating ones in
+    ``precision``'s compute dtype, buffers too when the module is converted); yields the parameters' storage keys."""
     low = LOW.get(precision)
     made: dict[int, Tensor] = {}
     saved: list[tuple[dict[str, Any], str, Any]] = []
@@ -206,6 +190,18 @@ def fake_parameters(model: nn.Module, mode: FakeTensorMode, precision: str) -> I
 
 
 @contextmanager
+def training(model: nn.Module) -> Iterator[None]:
+    """``model`` in training mode inside (dropout keeps its masks), each module's own mode put back on leaving."""
+    modes = {m: m.training for m in model.modules()}
+    model.train()
+    try:
+        yield
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+
+
+@contextmanager
 def computing(precision: str) -> Iterator[None]:
     """Autocast (mixed precision), or the converted dtype as the default (bf16-true, 64-true), as Lightning's
     precision plugins run forward (common/precision.py)."""
@@ -232,13 +228,8 @@ class _Ledgers:
         self.recompute: dict[str, int] = {}  # unit -> its largest checkpointed module's recompute
         self.running: list[str] = []  # the units whose forward runs, innermost last
         self.inside: list[tuple[str, SavedBytes]] = []  # the outermost checkpointed module running, its count
-        self.handles: list[Any] = []
         self.held: list[Tensor] = []  # every tensor packed, until the trace ends
-        for path in choice.paths[1:]:
-            for member in choice.modules_of(path):
-                module = model.get_submodule(member)
-                self.handles.append(module.register_forward_pre_hook(self._enter_unit(path)))
-                self.handles.append(module.register_forward_hook(self._leave_unit))
+        self.handles = hook_units(model, choice, self.running.append, self.running.pop)
         for name in checkpointed:
             module = model.get_submodule(name)
             self.handles.append(module.register_forward_pre_hook(self._enter_checkpointed, with_kwargs=True))
@@ -247,15 +238,6 @@ class _Ledgers:
     @property
     def current(self) -> str:
         return self.running[-1] if self.running else ROOT
-
-    def _enter_unit(self, path: str) -> Callable:
-        def hook(module: nn.Module, args: Any) -> None:
-            self.running.append(path)
-
-        return hook
-
-    def _leave_unit(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.running.pop()
 
     def _enter_checkpointed(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         inputs = [a for a in tree_leaves((args, kwargs)) if isinstance(a, Tensor)]
@@ -298,6 +280,40 @@ def unit_members(choice: UnitChoice) -> dict[str, str]:
     return {member: path for path in choice.paths[1:] for member in choice.modules_of(path)}
 
 
+def hook_units(model: nn.Module, choice: UnitChoice, enter: Callable[[str], Any], leave: Callable[[], Any]) -> list:
+    """Forward hooks on each module of every unit but the root: ``enter(unit)`` before it runs, ``leave()`` after
+    (what they return is dropped: a hook's would replace the module's inputs or output)."""
+    handles = []
+    for member, path in unit_members(choice).items():
+
+        def before(*_: Any, unit: str = path) -> None:
+            enter(unit)
+
+        def after(*_: Any) -> None:
+            leave()
+
+        module = model.get_submodule(member)
+        handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+    return handles
+
+
+def first_step_that_runs(
+    model: nn.Module, steps: list[Step], precision: str, run: Callable[[Step, FakeTensorMode, set[int]], T]
+) -> tuple[T, Step]:
+    """``run(step, mode, parameters' storage keys)`` for the first of ``steps`` that runs, ``model`` training on fake
+    parameters (``fake_parameters``); ``Untraced`` naming why each failed when none does."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    errors, first = [], None
+    with training(model), fake_parameters(model, mode, precision) as params:
+        for step in steps:
+            try:
+                return run(step, mode, params), step
+            except Exception as err:  # noqa: BLE001 - the next way to run it, or the error below
+                errors.append(f"{getattr(step, '__name__', step)}: {type(err).__name__}: {err}")
+                first = first or err
+    raise Untraced("; ".join(errors), in_words(first) if first is not None else "nothing to run")
+
+
 def trace_activations(
     model: nn.Module,
     micro_batch_size: int,
@@ -308,28 +324,36 @@ def trace_activations(
     make_inputs: MakeInputs | None = None,
     step: Step | None = None,
 ) -> ActivationTrace:
-    """Trace one micro-batch of ``model`` (built on the meta device, or anywhere: its tensors are not read) under
-    fake tensors: the bytes autograd saves for backward, by unit of ``config``'s policy, without and with
-    activation checkpointing (``config.activation_checkpointing`` when it chooses modules, else ``True``: every
-    unit's modules). ``make_inputs(model, B, T)`` makes the batch inside the fake mode (default: token ids and
-    targets, (B, T)); ``step(model, batch)`` returns the loss (default: the LightningModule's ``training_step``
-    when it runs under fake tensors, else ``forward`` and a loss). ``ValueError`` when the model does not run."""
+    """The bytes autograd saves for backward in one micro-batch of ``model`` (its tensors are not read), by unit of
+    ``config``'s policy, without and with activation checkpointing (``config.activation_checkpointing``'s modules, else
+    every unit's). ``make_inputs(model, B, T)`` makes the batch inside the fake mode (default: token ids and targets);
+    ``step(model, batch)`` returns the loss (default: ``steps_for``). ``Untraced`` when the model does not run."""
     config = config or ShardLabConfig()
     choice = choose_units(model, config)
     option = getattr(config, "activation_checkpointing", False) or True
     checkpointed = chosen_modules(model, option, unit_members(choice), warn=False)
-    steps = (
-        [step] if step is not None else [lightning_step, forward_step] if _has_training_step(model) else [forward_step]
-    )
-    began, modes = time.perf_counter(), {m: m.training for m in model.modules()}
-    model.train()  # a training step: dropout keeps its masks
+    began = time.perf_counter()
+
+    def run(attempt: Step, mode: FakeTensorMode, params: set[int]) -> _Ledgers:
+        ledgers = _Ledgers(model, choice, checkpointed, params)
+        try:
+            with mode, torch.enable_grad(), computing(precision):
+                batch = (make_inputs or token_batch)(model, micro_batch_size, seq_len)
+                with torch.autograd.graph.saved_tensors_hooks(ledgers.pack, _unpack):
+                    attempt(model, batch)
+            return ledgers
+        finally:
+            ledgers.remove()
+
     try:
-        ledgers, attempt = _first_step_that_runs(
-            model, steps, make_inputs or token_batch, (micro_batch_size, seq_len, precision), choice, checkpointed
-        )
-    finally:
-        for module, training in modes.items():
-            module.training = training
+        ledgers, attempt = first_step_that_runs(model, [step] if step is not None else steps_for(model), precision, run)
+    except Untraced as err:
+        raise Untraced(
+            f"{type(model).__name__} did not run one micro-batch ({micro_batch_size} x {seq_len}) under fake"
+            f" tensors: {err}. HINT: check --seq-len against the model's context; or give trace_activations a"
+            " make_inputs= and step= for this model.",
+            err.why,
+        ) from None
     order = [ROOT, *choice.paths[1:]]
     return ActivationTrace(
         micro_batch_size=micro_batch_size,
@@ -338,42 +362,7 @@ def trace_activations(
         step=next((name for name, known in STEPS.items() if known is attempt), "step"),
         by_unit={name: ledgers.plain.by_unit.get(name, 0) for name in order},
         checkpointed_by_unit={name: ledgers.kept.by_unit.get(name, 0) for name in order},
-        recompute_by_unit={name: v for name, v in ledgers.recompute.items()},
+        recompute_by_unit=dict(ledgers.recompute),
         checkpointed=checkpointed,
         seconds=time.perf_counter() - began,
-    )
-
-
-def _first_step_that_runs(
-    model: nn.Module,
-    steps: list[Step],
-    make_inputs: MakeInputs,
-    shape: tuple[int, int, str],
-    choice: UnitChoice,
-    checkpointed: list[str],
-) -> tuple[_Ledgers, Step]:
-    """One micro-batch through the first of ``steps`` that runs under fake tensors, counted; ``ValueError`` naming
-    why each failed when none does."""
-    micro_batch_size, seq_len, precision = shape
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    errors, first = [], None
-    with fake_parameters(model, mode, precision) as params:
-        for attempt in steps:
-            ledgers = _Ledgers(model, choice, checkpointed, params)
-            try:
-                with mode, torch.enable_grad(), computing(precision):
-                    batch = make_inputs(model, micro_batch_size, seq_len)
-                    with torch.autograd.graph.saved_tensors_hooks(ledgers.pack, _unpack):
-                        attempt(model, batch)
-                return ledgers, attempt
-            except Exception as err:  # noqa: BLE001 - the next way to run it, or the error below
-                errors.append(f"{getattr(attempt, '__name__', attempt)}: {type(err).__name__}: {err}")
-                first = first or err
-            finally:
-                ledgers.remove()
-    raise Untraced(
-        f"{type(model).__name__} did not run one micro-batch ({micro_batch_size} x {seq_len}) under fake"
-        f" tensors: {'; '.join(errors)}. HINT: check --seq-len against the model's context; or give"
-        " trace_activations a make_inputs= and step= for this model.",
-        in_words(first) if first is not None else "nothing to run",
     )

@@ -11,9 +11,10 @@ It is either **given** — a named device's dense peak (budget/predicted/zero_ta
 datasheet (``MEMORY_BANDWIDTH``) and no per-kernel cost (a GPU queues kernels ahead of the ones running) — or
 **measured** here (``measure_rate``), on the run's device at its thread count (``torch.get_num_threads()``):
 
-- matmuls: the traced model's own matmul shapes, the three that carry the most FLOPs, each timed on the device in
-  the compute dtype (rows cut down so that one call stays under ~0.4 GFLOP on a CPU, 1 TFLOP on a GPU); the
-  rate is their FLOPs over their summed time (a square 512 x 512 x 512 when nothing was traced);
+- FLOPs: the traced model's own three shapes that carry the most FLOPs, matmuls (each timed on the device in the
+  compute dtype, rows cut down so that one call stays under ~0.4 GFLOP on a CPU, 1 TFLOP on a GPU) and
+  convolutions or attention (one call run for real on tensors of its traced shapes): the rate is their FLOPs over
+  their summed time (a square 512 x 512 x 512 matmul when nothing was traced);
 - memory bandwidth: the traced model's own heaviest memory-bound ops (norms, activations, softmax, casts: on a CPU
   they run slower per byte than a copy), each run for real on tensors of its traced shapes, the bytes one call of
   each moves over their time (``model_bandwidth``); without a trace, a copy of 64 MiB (1 GiB on a GPU);
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_map
 
-from lightning_shardlab.budget.predicted.compute_trace import MemoryOp, TensorSpec, Work, WorkMode
+from lightning_shardlab.budget.predicted.compute_trace import TensorSpec, TracedOp, Work, WorkMode
 from lightning_shardlab.budget.predicted.zero_table import DEVICES
 
 MEMORY_BANDWIDTH = {  # bytes per second of device memory, from each vendor's datasheet
@@ -201,35 +202,58 @@ def _realized(spec: TensorSpec, dev: torch.device) -> torch.Tensor:
     return torch.zeros(spec.shape, dtype=spec.dtype, device=dev)
 
 
-def model_bandwidth(ops: list[MemoryOp], dev: torch.device) -> float | None:
-    """Bytes/s of the model's own heaviest memory-bound ops (a trace's ``memory_ops``), each run for real on tensors
-    of its traced shapes: the bytes one call of each moves over the time one call of each takes. None when none
-    runs (an op that refuses random values is left out)."""
-    moved = seconds = 0.0
-    for op in ops:
-        try:
-            args, kwargs = tree_map(lambda v: _realized(v, dev) if isinstance(v, TensorSpec) else v, op.template)
-            seconds += _median_seconds(lambda op=op, args=args, kwargs=kwargs: op.func(*args, **kwargs), dev)
-            moved += op.bytes / max(op.calls, 1)
-        except Exception:  # noqa: BLE001 - an op that needs real values (indices in range, a mask): left out
-            continue
+def call_seconds(op: TracedOp, dev: torch.device) -> float | None:
+    """Seconds of one call of a traced op, run for real on tensors of its traced shapes; None when it does not run
+    on random values (an op that needs indices in range, a mask)."""
+    try:
+        args, kwargs = tree_map(lambda v: _realized(v, dev) if isinstance(v, TensorSpec) else v, op.template)
+        return _median_seconds(lambda: op.func(*args, **kwargs), dev)
+    except Exception:  # noqa: BLE001 - left out
+        return None
+
+
+def model_bandwidth(ops: list[TracedOp], dev: torch.device) -> float | None:
+    """Bytes/s of the model's own heaviest memory-bound ops (a trace's ``memory_ops``), each run for real: the bytes
+    one call of each moves over the time one call of each takes. None when none runs."""
+    ran = [(op.bytes / max(op.calls, 1), seconds) for op in ops if (seconds := call_seconds(op, dev))]
+    moved, seconds = sum(b for b, _ in ran), sum(t for _, t in ran)
     return moved / seconds if moved and seconds else None
+
+
+def flop_rate(
+    matmuls: dict[tuple[int, int, int, int], float], flop_ops: list[TracedOp], dtype: torch.dtype, dev: torch.device
+) -> float:
+    """FLOP/s of the model's own three heaviest FLOP-carrying shapes, matmuls (``matmul_rate``) and other ops
+    (convolutions, attention: ``call_seconds``), each weighted by the FLOPs it carries in the step; a square
+    512 x 512 x 512 matmul when none was traced (or none ran)."""
+    threads = torch.get_num_threads()
+
+    def matmul(shape: tuple[int, int, int, int]) -> Callable[[], float]:
+        return lambda: matmul_rate(shape, dtype, str(dev), threads)
+
+    def other(op: TracedOp) -> Callable[[], float | None]:
+        return lambda: (op.flops / max(op.calls, 1) / t) if (t := call_seconds(op, dev)) else None
+
+    kinds = [(flops, matmul(shape)) for shape, flops in matmuls.items()] + [(op.flops, other(op)) for op in flop_ops]
+    timed = [(flops, rate) for flops, probe in sorted(kinds, key=lambda kv: -kv[0])[:3] if (rate := probe())]
+    timed = timed or [(1.0, matmul((1, 512, 512, 512))())]
+    return sum(flops for flops, _ in timed) / sum(flops / rate for flops, rate in timed)
 
 
 def measure_rate(
     device: torch.device | str,
     dtype: torch.dtype,
     matmuls: dict[tuple[int, int, int, int], float] | None = None,
-    memory_ops: list[MemoryOp] | None = None,
+    memory_ops: list[TracedOp] | None = None,
+    flop_ops: list[TracedOp] | None = None,
 ) -> ComputeRate:
-    """The rates measured on ``device`` at this process's thread count: the heaviest of ``matmuls`` ((batch, m, k, n)
-    -> FLOPs, from a trace) in ``dtype``; the bandwidth of the traced model's own heaviest memory-bound ops
-    (``memory_ops``: norms, activations, softmax run slower per byte than a copy), else of a copy; a kernel's cost.
-    The probes of fixed shapes are cached per process."""
+    """The rates measured on ``device`` at this process's thread count: the FLOP rate of the heaviest of ``matmuls``
+    ((batch, m, k, n) -> FLOPs, from a trace) and ``flop_ops`` (convolutions, attention) in ``dtype``
+    (``flop_rate``); the bandwidth of the traced model's own heaviest memory-bound ops (``memory_ops``: norms,
+    activations, softmax run slower per byte than a copy), else of a copy; a kernel's cost. The probes of fixed
+    shapes are cached per process."""
     dev, threads, began = torch.device(device), torch.get_num_threads(), time.perf_counter()
-    heaviest = sorted((matmuls or {}).items(), key=lambda kv: -kv[1])[:3] or [((1, 512, 512, 512), 1.0)]
-    seconds = sum(flops / matmul_rate(shape, dtype, str(dev), threads) for shape, flops in heaviest)
-    rate = sum(flops for _, flops in heaviest) / seconds
+    rate = flop_rate(matmuls or {}, flop_ops or [], dtype, dev)
     bandwidth = model_bandwidth(memory_ops or [], dev) or memory_bandwidth(str(dev), threads)
     per_op = seconds_per_op(str(dev), threads)
     bare = seconds_per_bare_op(str(dev), threads)

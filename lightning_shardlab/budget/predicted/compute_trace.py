@@ -1,29 +1,15 @@
 """The work of one micro-batch, by unit, traced under fake tensors: FLOPs, memory-bound bytes and kernels.
 
-The time model (budget/predicted/step_time.py) turns work into seconds; this file only counts. One training forward of
-a model built on the meta device (the LightningModule's ``training_step``, else ``forward`` and a loss; as
-budget/predicted/activation_trace.py runs it: its parameters fake, in the compute dtype, autocast under mixed
-precision) runs under ``FakeTensorMode`` — shapes only, nothing allocated — with two counters:
-
-- **FLOPs**: torch's ``FlopCounterMode`` (torch/utils/flop_counter.py): 2 m k n per matmul (mm, addmm, bmm,
-  baddbmm), convolutions, and attention (4 B H T T d for the two matmuls of scaled-dot-product attention, the CPU's
-  flash kernel counted with torch's formula for the others: causal masking not subtracted, as torch's note says);
-- **bytes and kernels**: every other op that makes a tensor (norms, activations, residual adds, softmax, casts, the
-  loss) is memory-bound, so what it costs is the bytes it moves: its outputs written, and each tensor input read up
-  to the size of its largest output (an embedding reads the rows it gathers, not the table). Views and
-  allocations move nothing and are not kernels. Every kernel (matmuls too) is counted, for its fixed cost.
-
-Each count is charged to the unit whose forward is running (forward hooks on the units' modules, the units of
-sharding/policy.py; outside all of them, the root), and to ``recompute`` too when it runs inside a module under
-activation checkpointing (its forward runs again in backward). The root's share before the first unit runs
-(embeddings) is kept apart as ``lead``: its backward comes last. The matmuls' shapes are kept, so that a throughput
-probe can time the shapes this model runs (budget/predicted/compute_rate.py).
-
-Backward is not traced: the time model takes it as twice the forward (a matmul's backward is two matmuls of the
-same size, the gradients of its input and of its weight).
-
-The optimizer's step is counted the same way (``optimizer_work``): the run's optimizer class (or the plan's),
-stepped twice on fake 1-D masters of this rank's slices — the second step, its state made, is the one counted.
+The time model (budget/predicted/step_time.py) turns work into seconds; this file only counts, as the user's step
+runs under ``FakeTensorMode`` (budget/predicted/activation_trace.py): **FLOPs** by torch's ``FlopCounterMode`` (2 m k n
+per matmul; attention by torch's formula, causal masking not subtracted); every other op that makes a tensor is
+memory-bound, so it costs the **bytes** it moves (its outputs written, each input read up to the size of its largest
+output: an embedding reads the rows it gathers, not the table); and each **kernel** a fixed cost (views and
+allocations are none). Each count is charged to the unit whose forward runs, and to ``recompute`` too inside a
+checkpointed module; the root's share before the first unit (embeddings) is kept apart as ``lead``, its backward
+coming last. Backward is not traced: the time model derives it from the forward (``Work.backward``). The matmuls'
+shapes, the heaviest memory-bound ops and the heaviest other FLOP ops (convolutions, attention) are kept for the rate
+probes (budget/predicted/compute_rate.py); the optimizer's step is counted the same way (``optimizer_work``).
 """
 
 from __future__ import annotations
@@ -40,28 +26,40 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim import Optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count, shape_wrapper
 
 from lightning_shardlab.budget.measured.activations import ROOT
 from lightning_shardlab.budget.predicted.activation_trace import (
     Step,
+    Untraced,
     computing,
-    fake_parameters,
-    forward_step,
-    lightning_step,
+    fake_like,
+    first_step_that_runs,
+    hook_units,
+    steps_for,
     token_batch,
     unit_members,
 )
-from lightning_shardlab.budget.predicted.step_stand_ins import in_words
+from lightning_shardlab.budget.predicted.optimizer_peak import second_step
 from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.sharding.checkpointing import chosen_modules
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.policy import choose_units
 
 aten = torch.ops.aten
+
+
+def _attention_flops(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
 CPU_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu  # not in torch's flop registry
 MATMULS = {aten.mm: (0, 1), aten.addmm: (1, 2), aten.bmm: (0, 1), aten.baddbmm: (1, 2)}  # (lhs, rhs) arguments
-HEAVIEST = 6  # memory-bound ops kept for the rate probe
+HEAVIEST = 6  # memory-bound ops, and other FLOP ops, kept for the rate probes
+FLOP_FORMULAS = {  # the FLOPs of each op that does FLOPs and is not a matmul: torch's formulas (taking tensors)
+    **{op: formula for op, formula in flop_registry.items() if op not in MATMULS},
+    CPU_ATTENTION: shape_wrapper(_attention_flops),
+}
 NO_WORK = {aten._unsafe_view, aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty}  # nothing moves
 
 
@@ -82,6 +80,15 @@ class Work:
     def scaled(self, k: float) -> Work:
         return Work(self.flops * k, self.bytes * k, self.ops * k)
 
+    def backward(self) -> Work:
+        """The backward of this forward work: a matmul's is two matmuls of its size (the gradients of its input and
+        of its weight): 2 x the FLOPs; a memory-bound op's reads the output's gradient and what it saved and writes
+        the input's gradient: about the bytes of its forward; about two kernels for each forward one (the gradient,
+        and its accumulation or reduction). Against a plain eager backward of the zoo's six models
+        (benchmarks/TIME_PREDICTION.md): within 15 % where matmuls or kernels carry the step, over where memory-bound
+        ops whose inputs need no gradient (masks, positions) or light backwards (pooling) do."""
+        return Work(2 * self.flops, self.bytes, 2 * self.ops)
+
 
 @dataclass(frozen=True)
 class UnitWork:
@@ -93,8 +100,8 @@ class UnitWork:
 
     @property
     def backward(self) -> Work:
-        """Twice the forward (a matmul's backward: the gradients of its input and of its weight), + the recompute."""
-        return self.forward.scaled(2) + self.recompute
+        """The forward's backward (``Work.backward``), + the recompute."""
+        return self.forward.backward() + self.recompute
 
 
 @dataclass
@@ -106,7 +113,8 @@ class ComputeTrace:
     seconds: float = 0.0  # how long the trace took
     error: str | None = None  # why there is no trace
     why: str | None = None  # ... in a few words, for the tables (step_stand_ins.py's ``in_words``)
-    memory_ops: list[MemoryOp] = field(default_factory=list)  # the heaviest memory-bound ops, most bytes first
+    memory_ops: list[TracedOp] = field(default_factory=list)  # the heaviest memory-bound ops, most bytes first
+    flop_ops: list[TracedOp] = field(default_factory=list)  # the heaviest other FLOP ops (convolutions, attention)
 
     def flops(self) -> dict[str, float]:
         """Forward FLOPs per unit."""
@@ -117,17 +125,8 @@ class ComputeTrace:
         """From forward FLOPs per unit alone (no memory-bound bytes, no kernels)."""
         return ComputeTrace({name: UnitWork(Work(flops=f)) for name, f in flops.items()})
 
-    def fields(self) -> dict[str, Any]:
-        units = {name: {k: dataclasses.asdict(getattr(w, k)) for k in ("forward", "recompute", "lead")}
-                 for name, w in self.by_unit.items()}  # fmt: skip
-        return {"by_unit": units, "seconds": self.seconds, "error": self.error}
-
 
 # ---- counting ----
-
-
-def _attention_flops(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return sdpa_flop_count(query, key, value)
 
 
 def _nbytes(t: Tensor) -> int:
@@ -141,25 +140,29 @@ class TensorSpec:
 
 
 @dataclass
-class MemoryOp:
-    """One memory-bound op as a trace met it: the op, its arguments with each tensor as a ``TensorSpec``, and the
-    bytes it moved in all (budget/predicted/compute_rate.py times the heaviest for real)."""
+class TracedOp:
+    """One op as a trace met it: the op, its arguments with each tensor as a ``TensorSpec``, and in all its calls
+    the bytes it moved (a memory-bound op) or the FLOPs it did (a convolution, attention): budget/predicted/
+    compute_rate.py times the heaviest of each kind for real."""
 
     func: Any
     template: tuple[Any, dict]
     bytes: float = 0.0
     calls: int = 0
+    flops: float = 0.0
 
 
 class WorkMode(TorchDispatchMode):
-    """Counts the memory-bound bytes and the kernels of the ops under it, and the matmuls' shapes."""
+    """Counts the memory-bound bytes and the kernels of the ops under it, the matmuls' shapes, and the other ops
+    that do FLOPs (convolutions, attention) by shape."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes = 0  # bytes
         self.ops = 0  # kernels
         self.matmuls: dict[tuple[int, int, int, int], float] = {}
-        self.memory_ops: dict[str, MemoryOp] = {}  # the memory-bound ops by op and shapes, with their bytes
+        self.memory_ops: dict[str, TracedOp] = {}  # the memory-bound ops by op and shapes, with their bytes
+        self.flop_ops: dict[str, TracedOp] = {}  # the other ops that do FLOPs, by op and shapes, with their FLOPs
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -170,24 +173,27 @@ class WorkMode(TorchDispatchMode):
         self.ops += 1
         if packet in MATMULS:
             self._matmul(args[MATMULS[packet][0]].shape, args[MATMULS[packet][1]].shape)
-        elif packet not in flop_registry and packet is not CPU_ATTENTION:
+        elif packet in FLOP_FORMULAS:
+            flops = FLOP_FORMULAS[packet](*args, **(kwargs or {}), out_val=out)
+            self._note(self.flop_ops, func, args, kwargs or {}).flops += flops
+        else:
             largest = max(_nbytes(t) for t in outputs)
             inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
             moved = sum(_nbytes(t) for t in outputs) + sum(min(_nbytes(t), largest) for t in inputs)
             self.bytes += moved
-            self._note(func, args, kwargs or {}, moved)
+            self._note(self.memory_ops, func, args, kwargs or {}).bytes += moved
         return out
 
-    def _note(self, func: Any, args: Any, kwargs: dict, moved: int) -> None:
-        """Keep the op's shapes (its tensors as (shape, dtype)), so that a probe can run it for real."""
+    @staticmethod
+    def _note(kept: dict[str, TracedOp], func: Any, args: Any, kwargs: dict) -> TracedOp:
+        """The op's entry by its shapes (its tensors as (shape, dtype)), so that a probe can run it for real; one
+        more call counted."""
         template = tree_map(
             lambda t: TensorSpec(tuple(t.shape), t.dtype) if isinstance(t, Tensor) else t, (args, kwargs)
         )
-        key = f"{func}{template}"
-        if key not in self.memory_ops:
-            self.memory_ops[key] = MemoryOp(func, template)
-        self.memory_ops[key].bytes += moved
-        self.memory_ops[key].calls += 1
+        op = kept.setdefault(f"{func}{template}", TracedOp(func, template))
+        op.calls += 1
+        return op
 
     def _matmul(self, lhs: torch.Size, rhs: torch.Size) -> None:
         batch = lhs[0] if len(lhs) == 3 else 1
@@ -220,12 +226,7 @@ class _ByUnit:
     def hook(self, model: nn.Module, config: ShardLabConfig) -> list[Any]:
         """Forward hooks on the units' modules and on the checkpointed ones; returns their handles."""
         choice = choose_units(model, config)
-        handles = []
-        for path in choice.paths[1:]:
-            for member in choice.modules_of(path):
-                module = model.get_submodule(member)
-                handles.append(module.register_forward_pre_hook(lambda *_, p=path: self._enter(p)))
-                handles.append(module.register_forward_hook(lambda *_: self._leave()))
+        handles = hook_units(model, choice, self._enter, self._leave)
         names = chosen_modules(model, config.activation_checkpointing, unit_members(choice), warn=False)
         for name in names if config.activation_checkpointing else []:
             module = model.get_submodule(name)
@@ -247,12 +248,15 @@ class _ByUnit:
         self.mark()
         self.checkpointed += step
 
-    def trace(self, matmuls: dict, seconds: float, memory_ops: list[MemoryOp] | None = None) -> ComputeTrace:
+    def trace(self, work: WorkMode, seconds: float) -> ComputeTrace:
+        """The units' work, and the heaviest ops of ``work`` for the rate probes."""
         self.mark()
         units = [ROOT, *self.order]
         by_unit = {name: UnitWork(self.forward.get(name, Work()), self.recompute.get(name, Work())) for name in units}
         by_unit[ROOT] = dataclasses.replace(by_unit[ROOT], lead=self.lead)
-        return ComputeTrace(by_unit, dict(matmuls), seconds, memory_ops=memory_ops or [])
+        memory_ops = sorted(work.memory_ops.values(), key=lambda op: -op.bytes)[:HEAVIEST]
+        flop_ops = sorted(work.flop_ops.values(), key=lambda op: -op.flops)[:HEAVIEST]
+        return ComputeTrace(by_unit, dict(work.matmuls), seconds, memory_ops=memory_ops, flop_ops=flop_ops)
 
 
 # ---- the traces ----
@@ -264,74 +268,44 @@ def trace_compute(
     """One micro-batch of ``model`` (its tensors are not read) through the first of ``steps`` that runs under fake
     tensors, its work counted by unit of ``config``'s policy; ``make_batch()`` runs inside the fake mode. A model that
     does not run gives a trace whose ``error`` says why."""
-    began, errors, first = time.perf_counter(), [], None
-    modes = {m: m.training for m in model.modules()}
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model.train()
+    began = time.perf_counter()
+
+    def run(step: Step, mode: FakeTensorMode, _: set[int]) -> ComputeTrace:
+        flops = FlopCounterMode(display=False, custom_mapping={CPU_ATTENTION: _attention_flops})
+        work = WorkMode()
+        units = _ByUnit(lambda: Work(float(flops.get_total_flops()), float(work.bytes), float(work.ops)))
+        handles = units.hook(model, config)
+        try:
+            with mode, torch.enable_grad(), computing(precision):
+                batch = make_batch()
+                with flops, work:
+                    units.last = units.read()
+                    step(model, batch)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return units.trace(work, time.perf_counter() - began)
+
     try:
-        with fake_parameters(model, mode, precision):
-            for step in steps:
-                try:
-                    return _traced(model, make_batch, step, precision, config, mode, began)
-                except Exception as err:  # noqa: BLE001 - the next way to run it, or the error below
-                    errors.append(f"{getattr(step, '__name__', step)}: {type(err).__name__}: {err}")
-                    first = first or err
-    finally:
-        for module, training in modes.items():
-            module.training = training
-    why = in_words(first) if first is not None else None
-    return ComputeTrace(seconds=time.perf_counter() - began, error="; ".join(errors), why=why)
-
-
-def _traced(
-    model: nn.Module,
-    make_batch: Callable[[], Any],
-    step: Step,
-    precision: str,
-    config: ShardLabConfig,
-    mode: FakeTensorMode,
-    began: float,
-) -> ComputeTrace:
-    flops = FlopCounterMode(display=False, custom_mapping={CPU_ATTENTION: _attention_flops})
-    work = WorkMode()
-    units = _ByUnit(lambda: Work(float(flops.get_total_flops()), float(work.bytes), float(work.ops)))
-    handles = units.hook(model, config)
-    try:
-        with mode, torch.enable_grad(), computing(precision):
-            batch = make_batch()
-            with flops, work:
-                units.last = units.read()
-                step(model, batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-    heaviest = sorted(work.memory_ops.values(), key=lambda op: -op.bytes)[:HEAVIEST]
-    return units.trace(work.matmuls, time.perf_counter() - began, heaviest)
-
-
-def _steps(model: nn.Module) -> list[Step]:
-    from lightning.pytorch import LightningModule
-
-    own = isinstance(model, LightningModule) and type(model).training_step is not LightningModule.training_step
-    return [lightning_step, forward_step] if own else [forward_step]
+        return first_step_that_runs(model, steps, precision, run)[0]
+    except Untraced as err:
+        return ComputeTrace(seconds=time.perf_counter() - began, error=str(err), why=err.why)
 
 
 def unit_flops_for_batch(clone: nn.Module, batch: Any, config: ShardLabConfig, precision: str) -> ComputeTrace:
     """The run's first batch (only its shapes and dtypes matter) through ``clone`` (budget/predicted/
     activation_prediction.py's ``meta_clone`` of the module, taken before sharding): its work per micro-batch by unit of
     the run's own units. ``.flops()`` gives the forward FLOPs per unit; ``.error`` says why when it did not run."""
-
-    def same_batch() -> Any:
-        return tree_map(lambda t: torch.empty_like(t, device="cpu") if isinstance(t, Tensor) else t, batch)
-
-    return trace_compute(clone, same_batch, _steps(clone), precision, config)
+    return trace_compute(clone, lambda: fake_like(batch), steps_for(clone), precision, config)
 
 
 def trace_plan_compute(
     model: nn.Module, micro_batch_size: int, seq_len: int, precision: str, config: ShardLabConfig
 ) -> ComputeTrace:
     """A plan's micro-batch of token ids (``micro_batch_size`` x ``seq_len``) through a meta-device model."""
-    return trace_compute(model, lambda: token_batch(model, micro_batch_size, seq_len), _steps(model), precision, config)
+    return trace_compute(
+        model, lambda: token_batch(model, micro_batch_size, seq_len), steps_for(model), precision, config
+    )
 
 
 # ---- the optimizer's step ----
@@ -353,14 +327,7 @@ def optimizer_work(cls: type[Optimizer], options: dict[str, Any], sizes: list[tu
     step (the first makes the state, as a run's first step did)."""
     if not sizes:
         return Work()
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        fakes = [nn.Parameter(torch.empty(n, dtype=dtype, device="cpu")) for n, dtype in sizes]
-        for fake in fakes:
-            fake.grad = torch.zeros_like(fake)
-    stand_in = cls([{**options, "params": fakes}])
-    with mode:
-        stand_in.step()
+    with second_step(cls, [(options, [(torch.Size([n]), dtype) for n, dtype in sizes])]) as (stand_in, _):
         with WorkMode() as counted:
             stand_in.step()
     return Work(0.0, float(counted.bytes), float(counted.ops))

@@ -2,10 +2,9 @@
 --micro-batch-size B --seq-len T --device-memory 80GB``).
 
 The step's peak per rank is the model state the device keeps between steps (the plan's layout,
-budget/predicted/plan.py) + the busiest moment of one micro-batch's forward and backward run under fake tensors on
-the engine's schedule (budget/predicted/step_timeline.py): the saved activations, temporaries and gradients live
-then, the units gathered then (stage 3), and the flat gradients whose reduce-scatters fly then (on NCCL: no receive
-rooms). Each candidate change is planned and run the same way:
+budget/predicted/plan.py) + the busiest moment of one micro-batch's step on the engine's schedule
+(budget/predicted/step_timeline.py; NCCL: no receive rooms) or of the optimizer's. Each candidate change is planned
+and run the same way:
 
 1. a higher stage (2: gradients sharded; 3: parameters too, gathered per unit);
 2. ``activation_checkpointing`` (every unit's modules keep only their inputs);
@@ -13,16 +12,9 @@ rooms). Each candidate change is planned and run the same way:
 4. ``offload="cpu"``: masters and optimizer state in host memory;
 5. a larger ``shard_group_size`` (hybrid runs: fewer replicas, more ranks sharing the model).
 
-The chosen one is the change that fits at the least added time per optimizer step, each a lower bound on the
-plan's own links and device: a higher stage adds its extra collectives' time on the links (stage 2 adds none over
-stage 1; stage 3 all-gathers each unit before forward and again before backward); checkpointing adds one more
-forward of the checkpointed modules, 2 FLOPs per parameter per token (about 1/3 of the step's 6 P tokens), at
-``--device``'s peak x ``--mfu`` (default h100, 0.4); a smaller micro-batch adds the collectives repeated per
-micro-batch (stage 3's gathers, the reduce-scatters with ``accumulation="reduce"``) and nothing for compute (the
-same FLOPs; the lower efficiency of small matmuls is not modelled); offload adds the moves to and from the host
-per step on ``--tier-link``; a larger shard group adds its collectives' extra time (on ``--inter`` once the group
-spans nodes). Equal costs keep the order above. When no single change fits, the verdict says so and lists each
-with its peak.
+The chosen one fits at the least time it adds per optimizer step (each candidate's cost below: a lower bound on the
+plan's own links and ``--device`` x ``--mfu``; the same FLOPs for a smaller micro-batch, whose smaller matmuls'
+lower efficiency is not modelled). Equal costs keep the order above.
 """
 
 from __future__ import annotations
@@ -32,59 +24,25 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
-
 from lightning_shardlab.budget.predicted.activation_trace import STEPS, ActivationTrace, token_batch, trace_activations
 from lightning_shardlab.budget.predicted.optimizer_peak import planned_step_temporaries
-from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, link_seconds, plan_model
-from lightning_shardlab.budget.predicted.step_timeline import Moment, StepTimeline, UnitBytes, step_timeline
-from lightning_shardlab.budget.predicted.zero_table import DEVICES, Interconnect, predict_traffic
-from lightning_shardlab.core.config import REDUCE_DTYPES, Accumulation, PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, PlannedModel, link_seconds, plan_model, plan_policy
+from lightning_shardlab.budget.predicted.step_timeline import PlannedPeak, StepTimeline, UnitBytes, step_timeline
+from lightning_shardlab.budget.predicted.zero_table import DEVICES, predict_traffic
+from lightning_shardlab.core.config import Accumulation, Stage
 from lightning_shardlab.core.display import size
-from lightning_shardlab.sharding.policy import plan_units
 
 
 def _gb(n: float) -> str:
     return size(n, decimal=True)
 
 
-@dataclass
-class PlannedPeak:
-    """One rank's bytes at the step's busiest moment (budget/predicted/step_timeline.py)."""
-
-    model_state: float  # the model state the device keeps between steps
-    traced: float  # what the micro-batch holds then: saved activations, temporaries, gradients
-    gathered: float  # stage 3: the units gathered then
-    in_flight: float = 0.0  # the flat gradients (and receive rooms) of the reductions in flight then
-    where: str = ""  # "backward: pre_backward blocks.3, aten.mm"
-
-    @property
-    def total(self) -> float:
-        return self.model_state + self.traced + self.gathered + self.in_flight
-
-    def arithmetic(self) -> str:
-        """'12.3 GB state + 20.2 GB traced + 4.1 GB gathered + 0.3 GB in flight = 36.9 GB (at backward: ...)'."""
-        return (
-            f"{_gb(self.model_state)} state + {_gb(self.traced)} traced (activations, temporaries, gradients) +"
-            f" {_gb(self.gathered)} gathered + {_gb(self.in_flight)} in flight = {_gb(self.total)}"
-            + (f" (at {self.where})" if self.where else "")
-        )
-
-
 def step_peak(setting: Setting, plan: Plan, micro_batch_size: int | None = None, **changes: Any) -> PlannedPeak:
     """``plan``'s device-resident state with the busiest moment of the setting's step with ``changes`` to the
     strategy options (the ones ``plan`` was made with) and a micro-batch of ``micro_batch_size``."""
-    moments = dict(setting.timeline(micro_batch_size, **changes).peaks)
-    step = setting.optimizer_bytes(**changes)
-    moments["optimizer"] = Moment("optimizer", "the optimizer's step", traced=step)
-    moment = max(moments.values(), key=lambda m: m.total)
-    return PlannedPeak(
-        model_state=plan.device_bytes - plan.gathered_peak,
-        traced=float(moment.traced),
-        gathered=float(moment.gathered),
-        in_flight=float(moment.in_flight),
-        where=f"{moment.phase}: {moment.where}",
-    )
+    timeline = setting.timeline(micro_batch_size, **changes)
+    moment, _ = timeline.busiest(setting.optimizer_bytes(**changes), "the optimizer's step")
+    return PlannedPeak.at(plan.device_bytes - plan.gathered_peak, moment, float)
 
 
 @dataclass
@@ -103,16 +61,9 @@ class Change:
 
 
 @dataclass
-class Setting:
+class Setting(PlannedModel):
     """What a model's plan was made from, so that a change is planned (and traced) the same way."""
 
-    model: nn.Module
-    config: ShardLabConfig
-    world_size: int
-    precision: str
-    optimizer: str
-    link: Interconnect
-    inter: Interconnect
     source: str
     micro_batch_size: int
     seq_len: int
@@ -128,12 +79,10 @@ class Setting:
         return bool(getattr(self.config, "activation_checkpointing", False))
 
     def plan(self, device_memory: float | None = None, **changes: Any) -> Plan:
-        """The plan with ``changes`` to the strategy options; a shard group larger than a node runs on ``inter``."""
-        config = dataclasses.replace(self.config, **changes)
-        group, _ = config.group_sizes(self.world_size, self.per_node or self.world_size)
-        link = self.inter if group > (self.per_node or self.world_size) else self.link
+        """The plan with ``changes`` to the strategy options."""
+        config, group, _ = self.changed(**changes)
         return plan_model(
-            self.model, config, self.world_size, self.precision, self.optimizer, link, self.source,
+            self.model, config, self.world_size, self.precision, self.optimizer, self.link_inside(group), self.source,
             inter=self.inter, per_node=self.per_node, tier_link=self.tier_link, device_memory=device_memory,
         )  # fmt: skip
 
@@ -149,11 +98,11 @@ class Setting:
         b = micro_batch_size or self.micro_batch_size
         key = (b, *sorted(changes.items()))
         if key not in self.timelines:
-            config = dataclasses.replace(self.config, **changes)
-            group, reshard = config.group_sizes(self.world_size, self.per_node or self.world_size)
+            config, group, reshard = self.changed(**changes)
+            policy = plan_policy(self.precision, self.config)
             sizes = {
-                name: UnitBytes.of(lays, config.stage, self._policy(), reshard_size=reshard)
-                for name, lays in plan_units(self.model, config, group).layouts().items()
+                name: UnitBytes.of(lays, config.stage, policy, reshard_size=reshard)
+                for name, lays in self.units(config, group).items()
             }
             step = STEPS[self.trace(b).step]
             make = functools.partial(token_batch, self.model, b, self.seq_len)
@@ -164,25 +113,18 @@ class Setting:
         """The optimizer step's temporaries on the device with ``changes`` (none offloaded); each setting once."""
         key = ("optimizer", *sorted(changes.items()))
         if key not in self.timelines:
-            config = dataclasses.replace(self.config, **changes)
-            group, _ = config.group_sizes(self.world_size, self.per_node or self.world_size)
-            layouts = [lay for lays in plan_units(self.model, config, group).layouts().values() for lay in lays]
+            config, group, _ = self.changed(**changes)
+            layouts = [lay for lays in self.units(config, group).values() for lay in lays]
             mixed = COMPUTE[self.precision] is not None
             on_device = config.offload == "none"
             self.timelines[key] = planned_step_temporaries(self.optimizer, layouts, mixed) if on_device else 0
         return self.timelines[key]
 
-    def _policy(self) -> PrecisionPolicy:
-        reduce = REDUCE_DTYPES[self.config.reduce_dtype] if self.config.reduce_dtype else None
-        return PrecisionPolicy(COMPUTE[self.precision], reduce)
-
     def accumulation_seconds(self, plan: Plan, steps: int) -> float:
         """What ``steps`` micro-batches per optimizer step add over one on the plan's links: the collectives
         repeated per micro-batch (stage 3's gathers; the reductions with accumulation='reduce')."""
         group, reshard, replicas = plan.shard_group_size, plan.reshard_size, plan.replicas
-        units = plan_units(self.model, self.config, group).layouts()
-        policy = self._policy()
-        link = self.inter if group > (self.per_node or self.world_size) else self.link
+        units, policy = self.units(self.config, group), plan_policy(self.precision, self.config)
 
         def seconds(micro: int) -> float:
             traffic = predict_traffic(
@@ -190,7 +132,7 @@ class Setting:
                 reduce_every_micro_batch=self.config.accumulation is Accumulation.REDUCE,
                 reshard_after_forward=self.config.reshard_after_forward, replicas=replicas, reshard_size=reshard,
             )  # fmt: skip
-            return sum(link_seconds(traffic, group, reshard, replicas, link, self.inter).values())
+            return sum(link_seconds(traffic, group, reshard, replicas, self.link_inside(group), self.inter).values())
 
         return seconds(steps) - seconds(1)
 
@@ -216,14 +158,6 @@ class Verdict:
             "choice": self.choice.name if self.choice else None,
             "candidates": [c.fields() for c in self.candidates],
         }
-
-
-def _moved(before: Plan, after: Plan) -> float:
-    return (
-        after.traffic["all_gather_bytes"]
-        + after.traffic["reduce_scatter_bytes"]
-        - (before.traffic["all_gather_bytes"] + before.traffic["reduce_scatter_bytes"])
-    )
 
 
 Tried = tuple[str, dict, PlannedPeak, float, str]  # (name, options, step peak, added seconds, cost in words)
@@ -252,7 +186,7 @@ def _higher_stages(setting: Setting, plan: Plan) -> list[Tried]:
     out = []
     for stage in range(plan.stage + 1, 4):
         other = setting.plan(stage=Stage(stage))
-        moved = _moved(plan, other)
+        moved = sum(other.traffic[k] - plan.traffic[k] for k in ("all_gather_bytes", "reduce_scatter_bytes"))
         out.append((
             f"stage {stage}", {"stage": stage}, step_peak(setting, other, stage=Stage(stage)),
             other.comm_seconds - plan.comm_seconds,
@@ -341,7 +275,7 @@ def add_activations(plan: Plan, setting: Setting, device_memory: float | None) -
     checkpointing = setting.checkpointing
     peak = step_peak(setting, plan)
     plan.activations = {**trace.fields(), "checkpointing": checkpointing}
-    plan.step_peak = {**dataclasses.asdict(peak), "total": peak.total, "arithmetic": peak.arithmetic()}
+    plan.step_peak = peak.fields()
     if device_memory is not None:
         judged = verdict(setting, plan, device_memory)
         plan.fit = judged.fields()

@@ -1,31 +1,23 @@
 """The optimizer step's peak predicted: what the run's own optimizers allocate while they step this rank's masters.
 
-The sharded optimizer steps the master views of this rank's slices (sharding/optimizer.py: the class's own update,
-on 1-D views of the master shards). ``optimizer_step_bytes`` builds, for each of the run's optimizers, an instance
-of its own class with its own param groups' options over fake tensors of those views' shapes and dtypes (with fake
-gradients), under ``FakeTensorMode``: nothing allocated. It steps once to make the state (as the first step of the
-run did), then again with every storage the second step makes watched (budget/predicted/step_timeline.py's
-``LiveStorages``): the largest total is the step's temporaries beside the state. Where a group leaves ``foreach``
-to torch, the real masters decide it (a GPU run takes the multi-tensor path, a CPU run the per-tensor one), not
-the fake ones. Under mixed precision the optimizer reads fp32 copies of the grad shards, made at the end of
-backward and dropped after the step: they count beside the update. After the step, at stages 1-2 the resident
-full buffers are gathered again from the new shards, all at once (``ShardedModel.refresh``): on gloo their receive
-rooms are live then, once the update's temporaries are gone. With ``offload`` on a GPU the masters step in host
-memory, so the device sees none of it.
-
-A plan (budget/predicted/fits.py) does the same with torch's class its ``--optimizer`` names, over one 1-D master per
-flat parameter's shard, on the multi-tensor path a GPU takes.
-
-A whole-tensor optimizer (Muon, Adafactor: sharding/optimizer.py) steps whole parameters on their owners, with
-exchanges around the update; it is not predicted here, and says so.
+For each of the run's optimizers, an instance of its own class with its own groups' options steps fake tensors of
+its master views' shapes and dtypes (sharding/optimizer.py: 1-D views of the master shards) under
+``FakeTensorMode``: once to make the state (as the run's first step did), then again with every storage it makes
+watched (budget/predicted/step_timeline.py's ``LiveStorages``): the largest total is the step's temporaries. Where a
+group leaves ``foreach`` to torch, the real masters decide it. Beside the update: mixed precision's fp32 copies of
+the grad shards; after it, at stages 1-2, the refresh's receive rooms (on gloo). Offloaded on a GPU, the masters step
+in host memory: none of it on the device. A plan does the same with torch's class its ``--optimizer`` names, on the
+multi-tensor path a GPU takes. A whole-tensor optimizer (Muon, Adafactor) is not predicted here, and says so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim import Optimizer
 from torch.optim.optimizer import _default_to_fused_or_foreach
@@ -76,20 +68,20 @@ def refresh_rooms(sharded: ShardedModel, rooms: Rooms) -> int:
     )
 
 
-def elementwise_class(name: str) -> type[Optimizer] | None:
-    """torch's elementwise optimizer class ``name`` names (any case: 'adamw', 'sgd'), else None."""
+def planned_optimizer(name: str, foreach: bool) -> tuple[type[Optimizer] | None, dict[str, Any]]:
+    """(torch's elementwise class ``name`` names in any case, 'adamw', 'sgd', else None; the options a plan steps it
+    with: SGD with momentum, as the plan's state counts it)."""
     key = {n.lower(): n for n in STATE_TENSORS}.get(name.lower())
-    return getattr(torch.optim, key) if key is not None else None
+    cls = getattr(torch.optim, key) if key is not None else None
+    return cls, {"foreach": foreach, **({"momentum": 0.9} if cls is torch.optim.SGD else {})}
 
 
 def planned_step_temporaries(name: str, layouts: list[FlatParamLayout], mixed: bool) -> int:
-    """A plan's optimizer step (``shardlab plan --optimizer NAME``) over the trained flat parameters' shards, one
-    1-D master each, on the multi-tensor path a GPU takes (SGD with momentum, as the plan's state counts it), with
-    ``mixed`` precision's fp32 gradient copies; 0 for a whole-tensor optimizer, which is not predicted."""
-    cls = elementwise_class(name)
+    """A plan's optimizer step (``--optimizer NAME``) over the trained flat parameters' shards, one 1-D master each,
+    on the multi-tensor path, with ``mixed`` precision's fp32 gradient copies; 0 for a whole-tensor optimizer."""
+    cls, options = planned_optimizer(name, foreach=True)
     if cls is None:
         return 0
-    options: dict[str, Any] = {"foreach": True, **({"momentum": 0.9} if cls is torch.optim.SGD else {})}
     shapes = [(torch.Size([lay.shard_numel]), lay.dtype) for lay in layouts if lay.requires_grad]
     copies = sum(lay.shard_numel * lay.dtype.itemsize for lay in layouts if lay.requires_grad) if mixed else 0
     return step_temporaries(cls, [(options, shapes)]) + copies if shapes else 0
@@ -111,9 +103,11 @@ def _stepped(optimizer: Optimizer, masters: dict[int, nn.Parameter]) -> int:
     return step_temporaries(cls, groups)
 
 
-def step_temporaries(cls: type[Optimizer], groups: list[Group]) -> int:
-    """The most bytes an optimizer of class ``cls`` makes at once in its second step over fake parameters of
-    ``groups``' shapes and dtypes (the first step makes its state, as a run's first step did)."""
+@contextmanager
+def second_step(cls: type[Optimizer], groups: list[Group]) -> Iterator[tuple[Optimizer, list[Tensor]]]:
+    """An optimizer of class ``cls`` over fake parameters of ``groups``' shapes and dtypes (and fake gradients),
+    stepped once to make its state, as a run's first step did. Inside the fake mode: it, and every tensor it holds
+    (parameters, gradients, state), for the body to step it again."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_groups, state = [], []
     with mode:
@@ -127,12 +121,18 @@ def step_temporaries(cls: type[Optimizer], groups: list[Group]) -> int:
     with mode:
         stand_in.step()
         state += [v for s in stand_in.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        peak = 0
+        yield stand_in, state
 
-        def sample(*_: Any, **__: Any) -> None:
-            nonlocal peak
-            peak = max(peak, live.total)
 
-        with LiveStorages(sample, state) as live:
-            stand_in.step()
+def step_temporaries(cls: type[Optimizer], groups: list[Group]) -> int:
+    """The most bytes an optimizer of class ``cls`` makes at once in its second step over fake parameters of
+    ``groups``' shapes and dtypes."""
+    peak = 0
+
+    def sample(*_: Any, **__: Any) -> None:
+        nonlocal peak
+        peak = max(peak, live.total)
+
+    with second_step(cls, groups) as (stand_in, state), LiveStorages(sample, state) as live:
+        stand_in.step()
     return peak

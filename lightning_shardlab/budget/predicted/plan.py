@@ -1,16 +1,15 @@
 """The plan's arithmetic: a run's budget before it runs, from a parameter count or a real model's layout.
 
-``plan_params`` applies the ZeRO table to a parameter count; ``plan_model`` lays a real model out into its
-units at the target world size on the meta device (no memory, no processes) and predicts from that layout,
-as ``ShardLabBudget`` does for a run (budget/predicted/zero_table.py, budget/measured/tiers.py). Both return a
-``Plan``: bytes per rank by category, bytes moved per step, and the lower-bound time on the links. ``shardlab plan``
-(the command, its inputs and its printing) is cli/plan.py. A whole-tensor optimizer (``muon``,
-``adafactor``) adds what its owners keep and exchange (budget/predicted/plan_whole.py): its state per rank, and its
-all-to-alls in the traffic.
+``plan_params`` applies the ZeRO table to a parameter count; ``plan_model`` lays a real model out into its units at
+the target world size on the meta device (no memory, no processes) and predicts from that layout as
+``ShardLabBudget`` does for a run (budget/predicted/zero_table.py, budget/measured/tiers.py). Both return a ``Plan``:
+bytes per rank by category, bytes moved per step, the lower-bound time on the links, and a whole-tensor optimizer's
+owners and exchanges (budget/predicted/plan_whole.py). ``shardlab plan`` reads its inputs and prints it (cli/).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -18,19 +17,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_shardlab.budget.measured.tiers import (
-    plan_fields,
-    predict_locations,
-    predict_moves,
-    split_by_tier,
-)
+from lightning_shardlab.budget.measured.tiers import plan_fields, predict_locations, predict_moves, split_by_tier
 from lightning_shardlab.budget.predicted.option_savings import option_savings
-from lightning_shardlab.budget.predicted.plan_whole import (
-    WholePlan,
-    memory_per_rank,
-    plan_whole_model,
-    plan_whole_params,
-)
+from lightning_shardlab.budget.predicted.plan_whole import SHOWN, WholePlan, plan_whole_model, plan_whole_params
 from lightning_shardlab.budget.predicted.zero_table import (
     Interconnect,
     OptimizerShape,
@@ -100,10 +89,9 @@ def link_seconds(
     inter: Interconnect,
     whole: WholePlan | None = None,
 ) -> dict[str, float]:
-    """Ring lower bounds per link. Intra: the shard groups' all-gathers and reduce-scatters at G ranks (and
-    the reshard groups' at k): (N-1)/N of every full tensor crosses, plus N-1 latencies per call. Inter: the
-    all-reduces of gradient shards across the R replicas: 2 (R-1)/R of every shard, 2 (R-1) latencies.
-    A whole-tensor optimizer's all-to-alls: what the busiest rank sends inside its shard group, and across."""
+    """Ring lower bounds per link (zero_table.py's ``Interconnect``). Intra: the shard groups' all-gathers and
+    reduce-scatters at G ranks (the reshard groups' at k); inter: the all-reduces of gradient shards across the R
+    replicas. A whole-tensor optimizer's all-to-alls: what the busiest rank sends inside its shard group, and across."""
 
     def ring(scopes: tuple[str, ...], ranks: int) -> float:
         nbytes, calls = traffic.scope_bytes(*scopes, rings=True), traffic.scope_calls(*scopes, rings=True)
@@ -129,9 +117,9 @@ def _groups(
 ) -> dict[str, Any]:
     """The Plan fields that say how the ranks are grouped, the time on each link, and a whole-tensor
     optimizer's exchanges (added to the traffic as all_to_all: the busiest rank's bytes) and owners."""
+    seconds = link_seconds(traffic, group, reshard, replicas, intra, inter, whole)
     if whole is not None:
         traffic = traffic.with_exchanges(whole.calls, max(whole.sent(r) for r in range(len(whole.state))))
-    seconds = link_seconds(traffic, group, reshard, replicas, intra, inter, whole)
     return {
         "whole_tensor": whole.fields() if whole is not None else None,
         "traffic": vars(traffic),
@@ -258,7 +246,7 @@ def plan_model(
     replicas = world_size // group
     units = plan_units(model, config, group).layouts()
     layouts = [lay for lays in units.values() for lay in lays]
-    policy = PrecisionPolicy(COMPUTE[precision], REDUCE_DTYPES[config.reduce_dtype] if config.reduce_dtype else None)
+    policy = plan_policy(precision, config)
     offload = config.offload if config.offload != "auto" else "cpu"
     cls, shape = _optimizer(optimizer, offload)
     whole = plan_whole_model(units, config.stage, policy, world_size, group, cls) if cls is not None else None
@@ -287,33 +275,19 @@ def plan_model(
         per_rank=per_rank,
         unsharded_bytes=unsharded,
         gathered_peak=(peak := predict_gathered_peak(units, config.stage, policy, reshard)),
-        options=_option_rows(units, config, policy, group, reshard, replicas, link, inter or link, whole),
+        options=option_savings(  # timed on this plan's links as its own traffic (the exchanges: the same in each)
+            units,
+            config,
+            policy.compute_dtype,
+            replicas,
+            reshard,
+            lambda traffic: sum(link_seconds(traffic, group, reshard, replicas, link, inter or link, whole).values()),
+        ),  # fmt: skip
         **_groups(traffic, group, reshard, replicas, link, inter or link, whole),
         **plan_fields(
             locations, predict_moves(layouts, policy, offload, shape, r), offload, tier_link, device_memory, peak
         ),
     )
-
-
-def _option_rows(
-    units: dict[str, list[FlatParamLayout]],
-    config: ShardLabConfig,
-    policy: PrecisionPolicy,
-    group: int,
-    reshard: int | None,
-    replicas: int,
-    intra: Interconnect,
-    inter: Interconnect,
-    whole: WholePlan | None,
-) -> list[dict[str, Any]]:
-    """Each fewer-bytes option's traffic on this plan's links, the same way ``_groups`` times the plan's own."""
-
-    def seconds_of(traffic: Traffic) -> float:
-        if whole is not None:
-            traffic = traffic.with_exchanges(whole.calls, max(whole.sent(r) for r in range(len(whole.state))))
-        return sum(link_seconds(traffic, group, reshard, replicas, intra, inter, whole).values())
-
-    return option_savings(units, config, policy.compute_dtype, replicas, reshard, seconds_of)
 
 
 def _unsharded(
@@ -344,10 +318,42 @@ def _memory(
     """(the first 64 ranks' bytes by category, the fullest rank's, its position in its shard group). Rank r
     holds what position r mod G holds, but for a whole-tensor optimizer's state, which is its owners'."""
     if whole is None:
-        in_group = [predict_memory(layouts, stage, policy, r, shape, offload) for r in range(min(group, 64))]
+        in_group = [predict_memory(layouts, stage, policy, r, shape, offload) for r in range(min(group, SHOWN))]
         fullest = max(in_group, key=lambda m: sum(m.values()))
-        return [in_group[r % group] for r in range(min(world_size, 64))], fullest, in_group.index(fullest)
+        return [in_group[r % group] for r in range(min(world_size, SHOWN))], fullest, in_group.index(fullest)
     at = functools.cache(lambda position: predict_memory(layouts, stage, policy, position, None, offload))
-    everyone = memory_per_rank((at(rank % group) for rank in range(world_size)), whole)
+    everyone = [{**at(r % group), "optimizer_state": whole.optimizer_state(r)} for r in range(world_size)]
     fullest = max(everyone, key=lambda m: sum(m.values()))
-    return everyone[:64], fullest, everyone.index(fullest) % group
+    return everyone[:SHOWN], fullest, everyone.index(fullest) % group
+
+
+def plan_policy(precision: str, config: ShardLabConfig) -> PrecisionPolicy:
+    """What a run in ``precision`` with ``config``'s ``reduce_dtype`` computes and reduces in."""
+    return PrecisionPolicy(COMPUTE[precision], REDUCE_DTYPES[config.reduce_dtype] if config.reduce_dtype else None)
+
+
+@dataclass
+class PlannedModel:
+    """A model's plan under changes to its strategy options, laid out the same way for its step's peak (fits.py's
+    ``Setting``) and its time (plan_time.py's ``TimedSetting``), each of which adds what it needs (``per_node`` among
+    them: the ranks of one node)."""
+
+    model: torch.nn.Module
+    config: ShardLabConfig
+    world_size: int
+    precision: str
+    optimizer: str
+    intra: Interconnect  # the link inside shard groups
+    inter: Interconnect  # the link across them
+
+    def changed(self, **changes: Any) -> tuple[ShardLabConfig, int, int | None]:
+        """(the config with ``changes``, its shard group size, its reshard group size)."""
+        config = dataclasses.replace(self.config, **changes)
+        return config, *config.group_sizes(self.world_size, self.per_node or self.world_size)
+
+    def units(self, config: ShardLabConfig, group: int) -> dict[str, list[FlatParamLayout]]:
+        return plan_units(self.model, config, group).layouts()
+
+    def link_inside(self, group: int) -> Interconnect:
+        """The link inside a shard group of ``group`` ranks: ``inter`` once the group is larger than a node."""
+        return self.inter if group > (self.per_node or self.world_size) else self.intra

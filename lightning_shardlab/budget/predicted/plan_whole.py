@@ -1,25 +1,20 @@
 """The plan of a whole-tensor optimizer (Muon, Adafactor) before the run: what each rank owns, the state it
 keeps for it, and what it sends in the owners' exchanges per step (``shardlab plan --optimizer muon|adafactor``).
 
-From a real model (``--model``, ``--config``), its layout at the shard group size G: the parameters each
-optimizer steps by the usual recipe (Muon: the trainable parameters of two or more dimensions inside units
-other than the root, i.e. the blocks' matrices; AdamW: the rest, embeddings, head, norms, biases, on the
-slice in each rank's shard. Adafactor: every trainable parameter); their owners from ``assign_owners`` over
-the real sizes (sharding/owners.py), so the fullest rank's share is the real one, about 1/W; each owned
-parameter's state by ``whole_state_bytes`` (budget/predicted/whole_tensor.py). From a parameter count (``--params``):
-no shapes, so the 1/W ideal with every parameter stepped whole (Adafactor's state then an upper bound: each
-parameter taken as a vector, whose whole second moment it keeps; matrices keep row and column statistics).
+From a real model, its layout at the shard group size G: the parameters each optimizer steps by the usual recipe
+(Muon: the blocks' matrices, i.e. trainable parameters of 2+ dimensions in units other than the root; AdamW: the
+rest, on each rank's shard; Adafactor: every trainable parameter), their owners from ``assign_owners`` over the real
+sizes (sharding/owners.py), each owned parameter's state by budget/predicted/whole_tensor.py. From a parameter
+count: no shapes, so the 1/W ideal with every parameter stepped whole (Adafactor's state then an upper bound).
 
-Exchanges per step, one gather and one return per master dtype (all-to-alls over the world): in the gather
-each holder sends the owner its piece of the averaged gradient, and of the values unless the owner holds them
-whole (the resident full buffer of stages 1-2 in full precision); in the return the owner sends every holder,
-in every shard group, its piece of the new values. A rank's figure is what it sends, as a run's ledger counts
-an all-to-all; "across" is the part of the return that leaves the owner's shard group (hybrid).
+Per step, one gather and one return per master dtype (all-to-alls over the world): each holder sends the owner its
+piece of the averaged gradient (and of the values, unless the owner holds them whole); the owner sends every holder
+its piece of the new values. A rank's figure is what it sends, as a run's ledger counts an all-to-all; "across" is
+the part of the return that leaves the owner's shard group (hybrid).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +119,7 @@ def plan_whole_model(
     """``cls`` on a real layout (``units`` at shard group size ``group``) over ``world_size`` ranks."""
     whole, rest, words = recipe(cls, units)
     owners = assign_owners([(slot.name, slot.numel) for _, slot in whole], world_size)
-    owned_params, owned_numel, state = _zeros(world_size), _zeros(world_size), _zeros(world_size)
+    owned_params, owned_numel, state = ([0] * world_size for _ in range(3))
     by_dtype: dict[torch.dtype, list[Owned]] = {}
     for lay, slot in whole:
         owner = owners[slot.name]
@@ -133,7 +128,7 @@ def plan_whole_model(
         owned_params[owner] += 1
         owned_numel[owner] += slot.numel
         state[owner] += whole_state_bytes(cls, slot.shape, lay.dtype.itemsize)
-    sent = {key: _zeros(world_size) for key in ("gather", "return", "across")}
+    sent = {key: [0] * world_size for key in ("gather", "return", "across")}
     for dtype, entries in by_dtype.items():
         for key, per_rank in sent_by_rank(entries, Geometry(world_size, group)).items():
             for rank, numel in enumerate(per_rank):
@@ -144,10 +139,6 @@ def plan_whole_model(
         owned_params, owned_numel, state, [elementwise[r % group] for r in range(world_size)],
         sent["gather"], sent["return"], sent["across"],
     )  # fmt: skip
-
-
-def _zeros(n: int) -> list[float]:
-    return [0] * n
 
 
 def _elementwise_state(rest: list[Held], position: int) -> float:
@@ -183,8 +174,3 @@ def plan_whole_params(
         each(params * (w - 1) / g / w * itemsize),  # the owner sends each of the W - 1 other holders its 1/G
         each(params * (groups - 1) / w * itemsize),  # of which the other groups' G pieces each
     )  # fmt: skip
-
-
-def memory_per_rank(base: Iterator[dict[str, float]], whole: WholePlan) -> list[dict[str, float]]:
-    """Every world rank's bytes by category: ``base`` (rank by rank, no optimizer state), the state from ``whole``."""
-    return [{**memory, "optimizer_state": whole.optimizer_state(r)} for r, memory in enumerate(base)]

@@ -75,7 +75,7 @@ def run_rate(sharded: ShardedModel, compute: ComputeTrace | None) -> ComputeRate
     so the ranks on one machine take turns to call it (budget/callback.py)."""
     layouts = [fp.layout for u in sharded.forward_order for fp in u.flat_params]
     dtype = sharded.policy.compute_dtype or (layouts[0].dtype if layouts else torch.float32)
-    traced = (compute.matmuls, compute.memory_ops) if compute is not None else (None, None)
+    traced = (compute.matmuls, compute.memory_ops, compute.flop_ops) if compute is not None else (None, None, None)
     rate = measure_rate(sharded.comm.device, dtype, *traced)
     return with_engine_cost(rate, sharded.config.stage)
 

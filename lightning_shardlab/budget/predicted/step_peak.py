@@ -1,26 +1,26 @@
 """The step's peak predicted for the run itself, beside the one measured (budget/measured/step_peak.py).
 
-At the first training batch, ``timeline_for_batch`` runs that batch — made fake, so only its shapes and dtypes
-matter — through the meta-device copy of the module (budget/predicted/activation_prediction.py's ``meta_clone``) on the
-engine's schedule (budget/predicted/step_timeline.py), with each unit's bytes read from the run's own flat-parameter
-layouts and, on gloo, the receive rooms of its verified wire (``Wire.receive_room``). The predicted peak is then
-the model state the layout keeps on the device between steps (budget/predicted/zero_table.py's locations) + the busiest
-moment of that timeline or of the optimizer's step (budget/predicted/optimizer_peak.py); ``predict_step_peak`` says
-which moment and what it holds.
+At the first training batch, that batch (made fake: only its shapes and dtypes matter) runs through the module's
+meta copy (budget/predicted/activation_prediction.py) on the engine's schedule (budget/predicted/step_timeline.py),
+each unit's bytes read from the run's own layouts and, on gloo, its wire's receive rooms. The peak is the model
+state the layout keeps on the device + the busiest moment of that timeline or of the optimizer's step
+(budget/predicted/optimizer_peak.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-from lightning_shardlab.budget.predicted.activation_trace import STEPS
-from lightning_shardlab.budget.predicted.fits import PlannedPeak
-from lightning_shardlab.budget.predicted.step_timeline import Moment, StepTimeline, UnitBytes, no_rooms, step_timeline
+from lightning_shardlab.budget.predicted.activation_trace import STEPS, fake_like
+from lightning_shardlab.budget.predicted.step_timeline import (
+    PlannedPeak,
+    StepTimeline,
+    UnitBytes,
+    no_rooms,
+    step_timeline,
+)
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 
@@ -42,12 +42,10 @@ def timeline_for_batch(
 ) -> StepTimeline | dict[str, str]:
     """``clone``'s step on a batch shaped like ``batch`` (``step``: what the activation trace ran, "training_step"
     or "forward"), on ``sharded``'s schedule; ``{"error": why}`` when it does not run."""
-
-    def fake_batch() -> Any:
-        return tree_map(lambda t: torch.empty_like(t, device="cpu") if isinstance(t, torch.Tensor) else t, batch)
-
     try:
-        return step_timeline(clone, sharded.config, unit_bytes(sharded), fake_batch, STEPS[step], precision)
+        return step_timeline(
+            clone, sharded.config, unit_bytes(sharded), lambda: fake_like(batch), STEPS[step], precision
+        )
     except Exception as err:  # noqa: BLE001 - a prediction says why it is missing; it never stops the run
         return {"error": f"{type(err).__name__}: {err}"}
 
@@ -63,15 +61,10 @@ def predict_step_peak(
     if not isinstance(timeline, StepTimeline):
         return timeline
     state = int(sum(report["locations_predicted"]["device"].values()))
-    moments = dict(timeline.peaks)
-    if isinstance(optimizer, int):
-        moments["optimizer"] = Moment("optimizer", "the optimizer's step, then the refresh", traced=optimizer)
-    moment = max(moments.values(), key=lambda m: m.total)
-    peak = PlannedPeak(state, moment.traced, moment.gathered, moment.in_flight, f"{moment.phase}: {moment.where}")
+    stepped = optimizer if isinstance(optimizer, int) else None
+    moment, moments = timeline.busiest(stepped, "the optimizer's step, then the refresh")
     return {
-        **dataclasses.asdict(peak),
-        "total": peak.total,
-        "arithmetic": peak.arithmetic(),
+        **PlannedPeak.at(state, moment).fields(),
         "by_phase": {name: state + m.total for name, m in moments.items()},
         "optimizer_error": optimizer.get("error") if isinstance(optimizer, dict) else None,
         "seconds": timeline.seconds,

@@ -1,24 +1,15 @@
 """What a user's ``training_step`` reads besides its batch, stood in for while the budget traces it under fake tensors.
 
-The budget predicts from the module's own ``training_step``, run on a meta copy (activation_prediction.py's
-``meta_clone``) under ``FakeTensorMode``: shapes only, nothing computed. A real step also logs, reads its trainer,
-updates metrics and turns tensors into Python numbers; none of that changes what autograd saves or what the step
-computes, but each would stop the trace. So, inside ``standing_in``:
+A real step also logs, reads its trainer, updates metrics and turns tensors into Python numbers; none of that changes
+what autograd saves or what the step computes, but each would stop a trace (shapes only). So, inside ``standing_in``:
+**the trainer** is a ``TrainerView`` (reads go to the real trainer, writes stay on the view); **logging** does
+nothing (a fake value would reach the real logger); **torchmetrics metrics** update nothing and give a fake 0 (their
+states are real tensors a fake update cannot write); **a data-dependent scalar** (``.item()``, ``float(t)``,
+``bool(t)``) reads 0, so a branch on a value takes the path of 0.
 
-- **the trainer** is a ``TrainerView`` (put in the copy by ``meta_clone``): reads go to the real trainer
-  (``self.global_step``, ``self.current_epoch``, ``self.trainer.max_steps``, the optimizers' learning rates), writes
-  stay on the view (a step that sets ``should_stop`` does not stop the run);
-- **logging** (``self.log``, ``self.log_dict``) does nothing: a fake value logged would reach the real logger;
-- **torchmetrics metrics** update nothing, and their ``forward`` and ``compute`` give a fake 0 (their states are
-  real tensors, which a fake update cannot write);
-- **a data-dependent scalar** (``.item()``, ``float(t)``, ``bool(t)``: ``aten._local_scalar_dense``, which fake
-  tensors cannot answer) reads 0 (``False``): a step's branch on a value takes the path of 0 (``if
-  torch.isnan(loss)``: not taken).
-
-What still cannot be traced: a step that optimizes by hand (``automatic_optimization = False``: its optimizer steps
-and ``manual_backward`` act on the real run), an op whose output's shape depends on values (``nonzero``,
-``masked_select``, boolean indexing), code that reads a tensor's memory (``.numpy()``, ``.tolist()``,
-``data_ptr``). There the budget falls back to ``forward`` and a loss, and says why when that fails too.
+What still cannot be traced: a step that optimizes by hand (its optimizer steps act on the real run), an op whose
+output's shape depends on values (``nonzero``, boolean indexing), code that reads a tensor's memory (``.numpy()``).
+There the budget falls back to ``forward`` and a loss, and says why when that fails too (``in_words``).
 """
 
 from __future__ import annotations

@@ -25,9 +25,10 @@ its end, queued behind others included: what a clock at the engine's seams sees 
   backward, the refresh after the optimizer step.
 - **compute**: each unit's traced work of one micro-batch (budget/predicted/compute_trace.py) at a rate
   (budget/predicted/compute_rate.py): forward = FLOPs / FLOP/s + memory-bound bytes / bandwidth + kernels x cost
-  per kernel; backward = 2 x forward (+ one more forward of its checkpointed modules under activation
-  checkpointing). The root's forward runs before the units (its ``lead``: embeddings) and after them (head, loss);
-  its backward in the reverse order.
+  per kernel; backward from the forward's work (compute_trace.py's ``Work.backward``: 2 x the FLOPs, the bytes
+  once, 2 x the kernels; + one more forward of its checkpointed modules under activation checkpointing). The
+  root's forward runs before the units (its ``lead``: embeddings) and after them (head, loss); its backward in
+  the reverse order.
 - **optimizer**: the bytes the optimizer's own kernels read and write in one step over this rank's 1-D masters
   (traced: its class stepped on fakes) + the fp32 gradient copies and the compute shards' refresh under mixed
   precision, at the memory bandwidth, + each kernel's cost.
@@ -53,7 +54,7 @@ The schedule, per micro-batch (``micro_batches`` of them per optimizer step; for
 What it leaves out: the small collectives (the agreement on unused parameters, clipping's norm, metrics), the
 all-to-alls of whole-tensor optimizers, offload's host transfers, kernels that run beside a collective slowing
 each other (they share memory bandwidth and, on a GPU, streaming multiprocessors), and ranks that differ (a slower
-rank makes the others wait: ``waiting_for_ranks`` measured, never predicted). Backward as 2 x forward undercounts
+rank makes the others wait: ``waiting_for_ranks`` measured, never predicted). Backward as 2 x the FLOPs undercounts
 attention's backward (2.5 x) and counts an embedding's as memory-bound.
 """
 
@@ -86,7 +87,7 @@ class UnitTimes:
     name: str
     forward: float = 0.0
     backward: float = 0.0
-    lead_forward: float = 0.0  # the root: its forward before the first unit (its backward: 2 x, at the end)
+    lead_forward: float = 0.0  # the root: its forward before the first unit (its backward at the end: lead_backward)
     gather: float = 0.0  # stage 3: all-gather in the shard group
     regather: float = 0.0  # stage 3: backward all-gather (in the reshard group with reshard_after_forward=k)
     reduce: float = 0.0  # reduce-scatter of its gradients
@@ -94,6 +95,7 @@ class UnitTimes:
     refresh: float = 0.0  # stages 1-2: all-gather after the optimizer step
     launch: float = 0.0  # host seconds to launch one of its collectives inside the shard group (one call per flat
     launch_across: float = 0.0  # parameter), and one across groups: the compute stream pays them at each launch
+    lead_backward: float = 0.0  # the root: the backward of its lead forward, the last of the step's backward
 
 
 class Timeline:
@@ -223,7 +225,7 @@ def _backward(line: Timeline, root: UnitTimes, units: list[UnitTimes], plan: Sch
     order, started, in_flight = units[::-1], set(), []
     regathers = plan.stage is Stage.PARAMETERS and bool(plan.reshard_after_forward)
     needs = {u.name: regathers and u is not units[-1] for u in units}
-    line.compute(root.backward - 2 * root.lead_forward)
+    line.compute(root.backward - root.lead_backward)
     for i, unit in enumerate(order):
         if needs[unit.name]:
             _gather(line, unit, unit.regather, started)
@@ -233,7 +235,7 @@ def _backward(line: Timeline, root: UnitTimes, units: list[UnitTimes], plan: Sch
         line.compute(unit.backward)
         if reduce and plan.stage >= Stage.GRADIENTS:
             _reduce(line, unit, in_flight, MAX_REDUCTIONS_IN_FLIGHT)
-    line.compute(2 * root.lead_forward)
+    line.compute(root.lead_backward)
     if reduce:
         _finish_backward(line, root, units, plan, in_flight)
 
@@ -298,11 +300,11 @@ class Links:
 
 
 def unit_times(
-    name: str, layouts: list[FlatParamLayout], seconds: tuple[float, float, float], policy: PrecisionPolicy,
+    name: str, layouts: list[FlatParamLayout], seconds: tuple[float, ...], policy: PrecisionPolicy,
     stage: Stage, links: Links,
 ) -> UnitTimes:  # fmt: skip
     """One unit's collectives from its flat parameters' layouts (one call each), beside its compute ``seconds``
-    (forward, backward, root's lead forward) per micro-batch."""
+    (forward, backward, root's lead forward, and its backward) per micro-batch."""
     gather = regather = reduce = across = refresh = 0.0
     calls = sum(1 for lay in layouts if lay.world_size > 1)
     calls_across = sum(1 for lay in layouts if lay.requires_grad) if links.replicas > 1 else 0
@@ -318,18 +320,21 @@ def unit_times(
             reduce += links.intra.ring_seconds(lay.padded_numel * r, n) if lay.requires_grad else 0.0
         if lay.requires_grad and links.replicas > 1:
             across += links.inter.all_reduce_seconds(lay.shard_numel * r, links.replicas)
-    forward, backward, lead = seconds
+    forward, backward, lead, lead_backward = seconds
     launch, launch_across = calls * links.intra.launch, calls_across * links.inter.launch
-    return UnitTimes(name, forward, backward, lead, gather, regather, reduce, across, refresh, launch, launch_across)
+    return UnitTimes(
+        name, forward, backward, lead, gather, regather, reduce, across, refresh, launch, launch_across, lead_backward
+    )
 
 
-def _compute_seconds(work: UnitWork | None, rate: ComputeRate, is_root: bool) -> tuple[float, float, float]:
-    """(forward, backward, lead forward) seconds of one micro-batch of a unit's work, with the engine's own work for
-    the unit (its hooks) and, the root's, for the step (``rate.engine``: budget/predicted/engine_cost.py)."""
+def _compute_seconds(work: UnitWork | None, rate: ComputeRate, is_root: bool) -> tuple[float, ...]:
+    """(forward, backward, lead forward, lead backward) seconds of one micro-batch of a unit's work, with the
+    engine's own work for the unit (its hooks) and, the root's, for the step (``rate.engine``: engine_cost.py)."""
     work, engine = work or UnitWork(), rate.engine
     forward = rate.seconds(work.forward) + engine.unit_forward + (engine.step_forward if is_root else 0.0)
     backward = rate.seconds(work.backward) + engine.unit_backward + (engine.step_backward if is_root else 0.0)
-    return forward, backward, rate.seconds(work.lead) if is_root else 0.0
+    lead = (rate.seconds(work.lead), rate.seconds(work.lead.backward())) if is_root else (0.0, 0.0)
+    return forward, backward, *lead
 
 
 def _works(units: dict[str, list[FlatParamLayout]], compute: ComputeTrace) -> dict[str, UnitWork]:

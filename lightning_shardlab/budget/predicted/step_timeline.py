@@ -2,36 +2,24 @@
 own schedule.
 
 Adding up a step's parts (state + gathered + activations) counts them as if all were live at one moment; they are
-not: the root's saved tensors (the logits) are freed early in backward, a block's own saved tensors go as its
-backward runs, and the gathered units change from one unit to the next. ``step_timeline`` runs the step instead —
-forward, then backward — of a meta-device model under ``FakeTensorMode`` (shapes only, nothing allocated) and
-adds up, after every op, what is live:
+not: the root's saved tensors (the logits) are freed early in backward, a block's go as its backward runs, and the
+gathered units change from one unit to the next. ``step_timeline`` runs the step instead and adds up, after every
+op, what is live: **traced**, every storage an op made and nobody has freed yet (``LiveStorages``: the batch, what
+autograd saves, temporaries, gradients, a checkpointed module's recomputation); and what **the engine** holds then
+(``EngineStandIn``): the gathered units (stage 3) and each flat gradient whose reduce-scatter is in flight.
 
-- **traced**: every storage an op made and nobody has freed yet (``LiveStorages``, a dispatch mode that watches
-  each new storage until Python frees it): the batch, what autograd saves, temporaries, each gradient flowing
-  back, the parameters' own gradients (until their unit's post-backward drops them), and, with activation
-  checkpointing, the recomputed forward;
-- **engine**: what the sharding engine holds then (``EngineStandIn``): the gathered units (stage 3) and each flat
-  gradient whose reduce-scatter is in flight.
-
-The engine's moments are its own: the stand-in receives the events of sharding/hooks.py — the very hooks the
-engine installs, on the same modules — and takes ShardedModel's decisions (sharding/sharded_model.py): the root
-held for the step; a unit gathered at its pre-forward with the next one (last step's order) prefetched, freed at
-its post-forward except the last, which backward needs first; in backward each unit gathered with the one before
-it prefetched, its gradients laid out as one flat gradient and reduce-scattered at its post-backward (the previous
-one waited first: one in flight; at stage 1 all fly until the end of backward), the unit freed; at the end of
-backward, the root's. It counts bytes instead of moving them. Forward order is the units' order (the order last
-step ran them, in a model whose forward runs its blocks in the order it registers them).
-
-On gloo the verified wire's receive rooms (comm/wire.py, ``Wire.receive_room``) count from a call's launch until
-it is waited; NCCL, and a plan, post none. What torch's checkpoint keeps beside a checkpointed module's inputs
-without an op making it (the CPU RNG state, 5 kB each) is added by hand. The step's peak is then the model state
-the layout keeps on the device + the largest of these moments (budget/predicted/step_peak.py for a run,
-budget/predicted/fits.py for a plan); the optimizer's step is predicted apart (budget/predicted/optimizer_peak.py).
+The stand-in receives the events of the very hooks the engine installs (sharding/hooks.py) and takes ShardedModel's
+decisions on units of bytes (sharding/sharded_model.py): the root held for the step, each unit gathered with the
+next one prefetched, one reduction in flight (stage 1: all, until the end of backward). On gloo the verified wire's
+receive rooms (``Wire.receive_room``) count from a call's launch until its wait; NCCL, and a plan, post none. The CPU
+RNG state torch's checkpoint keeps per checkpointed module is added by hand. The step's peak is the device's model
+state + the largest of these moments or of the optimizer's step (budget/predicted/optimizer_peak.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 import weakref
 from collections.abc import Callable
@@ -46,16 +34,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_shardlab.budget.measured.activations import ROOT
-from lightning_shardlab.budget.predicted.activation_trace import computing, fake_parameters, unit_members
+from lightning_shardlab.budget.predicted.activation_trace import computing, fake_parameters, training, unit_members
 from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.core.display import size
 from lightning_shardlab.sharding import checkpointing, hooks
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.policy import UnitChoice, choose_units
 from lightning_shardlab.sharding.sharded_model import MAX_REDUCTIONS_IN_FLIGHT
 from lightning_shardlab.sharding.unit import TrainingState
-
-PHASES = ("forward", "backward")
-
 
 Rooms = Callable[[str, int], int]  # (collective, bytes sent to each peer) -> receive room held while it flies
 
@@ -118,15 +104,53 @@ class Moment:
 
 
 @dataclass
+class PlannedPeak:
+    """One rank's bytes at the step's busiest moment: the model state the device keeps between steps, and that
+    moment's (a run's: budget/predicted/step_peak.py; a plan's: budget/predicted/fits.py)."""
+
+    model_state: float  # the model state the device keeps between steps
+    traced: float  # what the micro-batch holds then: saved activations, temporaries, gradients
+    gathered: float  # stage 3: the units gathered then
+    in_flight: float = 0.0  # the flat gradients (and receive rooms) of the reductions in flight then
+    where: str = ""  # "backward: pre_backward blocks.3, aten.mm"
+
+    @staticmethod
+    def at(state: float, moment: Moment, number: type = int) -> PlannedPeak:
+        """``state`` + ``moment``'s bytes, each as ``number`` (a plan's: floats)."""
+        traced, gathered, in_flight = (number(v) for v in (moment.traced, moment.gathered, moment.in_flight))
+        return PlannedPeak(state, traced, gathered, in_flight, f"{moment.phase}: {moment.where}")
+
+    @property
+    def total(self) -> float:
+        return self.model_state + self.traced + self.gathered + self.in_flight
+
+    def arithmetic(self) -> str:
+        """'12.3 GB state + 20.2 GB traced + 4.1 GB gathered + 0.3 GB in flight = 36.9 GB (at backward: ...)'."""
+        gb = functools.partial(size, decimal=True)
+        return (
+            f"{gb(self.model_state)} state + {gb(self.traced)} traced (activations, temporaries, gradients) +"
+            f" {gb(self.gathered)} gathered + {gb(self.in_flight)} in flight = {gb(self.total)}"
+            + (f" (at {self.where})" if self.where else "")
+        )
+
+    def fields(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "total": self.total, "arithmetic": self.arithmetic()}
+
+
+@dataclass
 class StepTimeline:
     """The busiest moment of each phase of one traced step (bytes beyond the model state between steps)."""
 
     peaks: dict[str, Moment] = field(default_factory=dict)
     seconds: float = 0.0
 
-    @property
-    def peak(self) -> Moment:
-        return max(self.peaks.values(), key=lambda m: m.total)
+    def busiest(self, optimizer: int | None, where: str) -> tuple[Moment, dict[str, Moment]]:
+        """(the busiest moment, each phase's), the optimizer's step holding ``optimizer`` bytes at ``where`` (None:
+        not predicted)."""
+        moments = dict(self.peaks)
+        if optimizer is not None:
+            moments["optimizer"] = Moment("optimizer", where, traced=optimizer)
+        return max(moments.values(), key=lambda m: m.total), moments
 
 
 class LiveStorages(TorchDispatchMode):
@@ -308,7 +332,7 @@ def owning_unit(name: str, owner: dict[str, str]) -> str:
 
 def stand_ins(model: nn.Module, choice: UnitChoice, sizes: dict[str, UnitBytes]) -> list[StandInUnit]:
     """A stand-in per unit, the root first: its modules, its parameters (a tied one in the first unit holding it)."""
-    owner = {member: path for path in choice.paths[1:] for member in choice.modules_of(path)}
+    owner = unit_members(choice)
     params: dict[str, list] = {ROOT: [], **{path: [] for path in choice.paths[1:]}}
     for name, param in model.named_parameters():
         params[owning_unit(name.rpartition(".")[0], owner)].append(param)
@@ -322,7 +346,7 @@ def stand_ins(model: nn.Module, choice: UnitChoice, sizes: dict[str, UnitBytes])
 def hook_rng_states(model: nn.Module, names: list[str], choice: UnitChoice, engine: EngineStandIn) -> list[Any]:
     """What torch's checkpoint keeps beside a checkpointed module's inputs and no op makes: the CPU RNG state,
     taken as the module's forward runs, kept until its recomputation (counted until its unit's post-backward)."""
-    owner = {member: path for path in choice.paths[1:] for member in choice.modules_of(path)}
+    owner = unit_members(choice)
     units = {unit.name: unit for unit in engine.units}
     nbytes = torch.get_rng_state().nbytes
 
@@ -353,10 +377,8 @@ def step_timeline(
     choice = choose_units(model, config)
     names = checkpointing.chosen_modules(model, config.activation_checkpointing, unit_members(choice), warn=False)
     recorder, mode = _Recorder(), FakeTensorMode(allow_non_fake_inputs=True)
-    modes = {m: m.training for m in model.modules()}
     with ExitStack() as stack:
-        stack.callback(lambda: [setattr(m, "training", t) for m, t in modes.items()])
-        model.train()
+        stack.enter_context(training(model))
         stack.enter_context(fake_parameters(model, mode, precision))
         stack.callback(checkpointing.undo, model, checkpointing.apply(model, names))
         engine = EngineStandIn(stand_ins(model, choice, sizes), config, recorder)

@@ -6,16 +6,12 @@ Optimizer state per owned parameter of shape (..., m, n), in the master's dtype:
     Muon        the momentum buffer, whole: m n elements
     Adafactor   matrices: row and column statistics, numel / n + numel / m elements, and a float32 step;
                 vectors: a whole second moment and the step
-    any other   stepped whole because it is declared so or not known (a subclass of SGD whose ``step`` adds a
-                check): the state of the elementwise class it derives from, whole (SGD with momentum: one
-                buffer of m n elements); a class of its own, whose state nothing tells before it steps: two
-                whole moments and a step, as Adam's (the measured figure beside it says what it keeps)
+    any other   the state of the elementwise class it derives from, whole (SGD with momentum: one buffer);
+                a class of its own, whose state nothing tells before it steps: two moments and a step, as Adam's
 
-With several optimizers (Muon on the matrices, AdamW on the rest) every parameter's state is predicted by the
-optimizer that holds it: elementwise ones on the parameter's slice in this rank's shard, whole-tensor ones on
-the parameters this rank owns. ``ShardLabBudget`` prints these figures per rank beside what it measured
-(budget/tables.py: ``whole_tensor_table``); ``shardlab plan --optimizer muon|adafactor`` predicts them before
-the run (budget/predicted/plan_whole.py).
+Beside them, elementwise optimizers keep their state of each parameter's slice in this rank's shard.
+``ShardLabBudget`` prints these figures per rank beside what it measured; budget/predicted/plan_whole.py predicts
+them before the run.
 """
 
 from __future__ import annotations
@@ -40,9 +36,8 @@ ADAM_LIKE = OptimizerShape(per_element=2, scalar_bytes=STEP_BYTES)  # what a cla
 def whole_state_bytes(
     cls: type[Optimizer], shape: torch.Size, itemsize: int, elementwise: OptimizerShape = ADAM_LIKE
 ) -> int:
-    """Bytes of the state an optimizer of class ``cls`` keeps for one whole parameter of ``shape`` (see the
-    module docstring); any class but Muon's and Adafactor's by ``elementwise``, the shape of its state per element
-    (``state_shape_of``)."""
+    """Bytes of the state an optimizer of class ``cls`` keeps for one whole parameter of ``shape`` (the module's
+    docstring); any class but Muon's and Adafactor's by ``elementwise``, its state per element (``state_shape_of``)."""
     numel = shape.numel()
     if issubclass(cls, torch.optim.Muon):
         return numel * itemsize
@@ -60,8 +55,14 @@ def state_shape_of(optimizer: Optimizer) -> OptimizerShape:
     return OptimizerShape.of(optimizer) if known else ADAM_LIKE
 
 
-def _trained(param: Tensor) -> bool:
-    return param.requires_grad
+def _owned_state(optimizer: Optimizer, owned: list[Tensor], masters: dict[int, Any]) -> int:
+    """The state a whole-tensor ``optimizer`` is predicted to keep for the trained parameters this rank owns."""
+    per = state_shape_of(optimizer)
+    return sum(
+        whole_state_bytes(type(optimizer), p.shape, masters[id(p)][1].element_size(), per)
+        for p in owned
+        if p.requires_grad
+    )
 
 
 def state_bytes_predicted(sharded: ShardedModel, optimizers: list[Optimizer]) -> int:
@@ -69,13 +70,10 @@ def state_bytes_predicted(sharded: ShardedModel, optimizers: list[Optimizer]) ->
     masters = sharded.master_params_by_id()
     total = 0
     for optimizer in optimizers:
-        params = [p for group in optimizer.param_groups for p in group["params"] if _trained(p)]
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         if is_whole_tensor(optimizer):
             plan = plan_of(optimizer, sharded)
-            per = state_shape_of(optimizer)
-            for p in params:
-                if plan.owns(p):
-                    total += whole_state_bytes(type(optimizer), p.shape, masters[id(p)][1].element_size(), per)
+            total += _owned_state(optimizer, [p for p in params if plan.owns(p)], masters)
             continue
         shape = OptimizerShape.of(optimizer)
         for p in params:
@@ -91,7 +89,7 @@ def _exchange_per_step(sharded: ShardedModel, optimizer: Optimizer) -> tuple[int
         return 0, 0
     by_dtype: dict[torch.dtype, list[Any]] = {}
     for p in plan.params:
-        if _trained(p):
+        if p.requires_grad:
             by_dtype.setdefault(plan.slots[id(p)][0].master.dtype, []).append(plan.entries[id(p)])
     calls = nbytes = 0
     for dtype, entries in by_dtype.items():
@@ -118,19 +116,14 @@ def whole_tensor_report(sharded: ShardedModel, optimizers: list[Optimizer], glob
             for v in optimizer.state.get(p, {}).values()
             if isinstance(v, Tensor)
         )
-        per = state_shape_of(optimizer)
-        predicted = sum(
-            whole_state_bytes(type(optimizer), p.shape, masters[id(p)][1].element_size(), per)
-            for p in owned
-            if _trained(p)
-        )
+        predicted = _owned_state(optimizer, owned, masters)
         steps = stepped_count(optimizer)
         calls, nbytes = _exchange_per_step(sharded, optimizer)
         share = steps / max(global_steps, 1)  # its steps per step of the run (1/2 beside a second optimizer)
         exchange = {"calls": calls * share, "bytes": nbytes * share}  # this rank sends, per step of the run
         out["all_to_all_calls"] += exchange["calls"]
         out["all_to_all_bytes"] += exchange["bytes"]
-        gathered, returned = exchange_numel([plan.entries[id(p)] for p in plan.params if _trained(p)], plan.geo)
+        gathered, returned = exchange_numel([plan.entries[id(p)] for p in plan.params if p.requires_grad], plan.geo)
         out["optimizers"].append(
             {
                 "index": index,
