@@ -194,9 +194,9 @@ def test_one_steady_step_is_pictured_as_a_chrome_trace_with_a_process_per_rank(r
     trace = json.loads((root / "0" / "shardlab_timeline.trace.json").read_text())
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert complete and all({"ph", "ts", "dur", "pid", "tid"} <= set(e) for e in complete)
-    assert {e["pid"] for e in complete} == {0, 1}
-    names = [e for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
-    assert len(names) == 2
+    assert {e["pid"] for e in complete} == {0, 1, 2}  # the ranks, and rank 0's predicted step
+    names = [e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
+    assert names == ["rank 0", "rank 1", "predicted"]
 
 
 @pytest.mark.quick

@@ -73,7 +73,8 @@ def test_every_key_is_there_non_negative_and_the_step_is_the_sum_of_its_parts(st
     assert all(v["forward"] > 0 and v["forward"] < v["backward"] < 2 * v["forward"] for v in units)
     assert time["forward"] == pytest.approx(sum(v["forward"] for v in time["by_unit"].values()))
     assert set(time["by_collective"]) == {"all_gather", "reduce_scatter"}
-    kinds = time["by_collective"].values()
+    kinds_by_name = time["by_collective"]
+    kinds = kinds_by_name.values()
     exposed, hidden = sum(v["exposed"] for v in kinds), sum(v["hidden"] for v in kinds)
     assert exposed == pytest.approx(time["comm_exposed"]) and hidden == pytest.approx(time["comm_hidden"])
     for v in kinds:  # each call flies from its launch to its end: before its wait (hidden), then waited for
@@ -81,6 +82,13 @@ def test_every_key_is_there_non_negative_and_the_step_is_the_sum_of_its_parts(st
             1 - 1e-9
         )
     assert time["optimizer"] > 0
+    played = time["timeline"]  # the same step as the picture draws it: each part, each exposed wait, each call
+    assert played["step_seconds"] == pytest.approx(time["step"])
+    for cat in ("forward", "backward", "optimizer", "comm_exposed"):
+        drawn = sum(e["dur"] for e in played["events"] if e["cat"] == cat and e["lane"] == "compute")
+        assert drawn == pytest.approx(time[cat], abs=1e-12), cat
+    for kind, v in kinds_by_name.items():
+        assert sum(e["dur"] for e in played["events"] if e["cat"] == kind) == pytest.approx(v["in_flight"]), kind
 
 
 def test_a_call_in_flight_is_hidden_until_its_wait_and_exposed_after_it_as_the_clock_counts_it() -> None:

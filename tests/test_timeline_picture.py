@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -125,3 +126,26 @@ def test_the_title_names_the_optimizer_step_drawn() -> None:
     assert title.startswith("one steady step (optimizer step 7): rank 0 ") and "rank 1 " in title, title
     unnumbered = [(0, {k: v for k, v in _timeline(0).items() if k != "step"})]
     assert _title(unnumbered).startswith("one steady step: rank 0 "), _title(unnumbered)
+
+
+def test_rank_0s_predicted_step_is_drawn_below_the_ranks_from_the_time_model(tmp_path: Path) -> None:
+    """The prediction's own played step (budget/predicted/step_time.py's ``timeline``) is a process of the trace after
+    the ranks, and a lane of the picture named in its title; without measured ranks there is still nothing."""
+    from lightning_shardlab.budget.timeline_picture import _title, predicted_timeline
+    from tests.test_time_predicted import setting
+
+    played = setting(stage=3).predict()["timeline"]
+    reports = _reports(2)
+    reports[0]["time_predicted"] = {"timeline": played}
+    assert predicted_timeline(reports) is played
+    trace = _trace(reports, tmp_path)
+    processes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert processes == {0: "rank 0", 1: "rank 1", 2: "predicted"}
+    predicted = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 2]
+    assert len(predicted) == len(played["events"]) and trace["otherData"]["predicted"]["step_seconds"] > 0
+    title = _title([(r["rank"], r["timeline"]) for r in reports], played)
+    assert f"predicted {played['step_seconds'] * 1e3:.2f} ms" in title
+    if importlib.util.find_spec("matplotlib"):
+        assert write_timeline_png(reports, tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    alone = [{"rank": 0, "time_predicted": {"timeline": played}}]
+    assert _trace(alone, tmp_path)["traceEvents"] == [] and write_timeline_png(alone, tmp_path / "q.png") is None

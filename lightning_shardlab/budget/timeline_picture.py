@@ -16,6 +16,10 @@ ranks) becomes two files, written by rank 0 beside ``shardlab_budget.json``:
   that would overlap another on its thread without nesting (two collectives in flight at once) moves to an extra
   thread of its lane, "comm 2" (tid 2 or above); ``args`` carries ``lane`` and whatever else the event holds.
 
+Below the ranks, both draw the step rank 0 predicted for itself (its report's ``time_predicted``: the engine's
+schedule played on the time model, budget/predicted/step_time.py), on the same scale from 0: lane "predicted" in the
+picture, process "predicted" in the trace.
+
 A report without a timeline (a run of one step) is left out of both; with none at all there is no picture and the
 trace holds no events.
 """
@@ -50,6 +54,12 @@ NEST_SLACK = 1e-9  # seconds: an end this close to its parent's counts as inside
 def timelines(reports: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
     """``(rank, timeline)`` of every report that has one, by rank."""
     return sorted(((int(r["rank"]), r["timeline"]) for r in reports if r.get("timeline")), key=lambda p: p[0])
+
+
+def predicted_timeline(reports: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The step rank 0 predicted for itself, as a timeline (None without one)."""
+    first = next((r for r in reports if int(r.get("rank", -1)) == 0), None)
+    return ((first or {}).get("time_predicted") or {}).get("timeline")
 
 
 def lane_of(event: dict[str, Any]) -> str:
@@ -102,9 +112,9 @@ def _thread_name(tid: int, lanes: dict[str, list[int]]) -> str:
     return lane if place == 0 else f"{lane} {place + 1}"
 
 
-def _metadata(rank: int, lanes: dict[str, list[int]]) -> list[dict[str, Any]]:
+def _metadata(rank: int, lanes: dict[str, list[int]], name: str = "") -> list[dict[str, Any]]:
     meta = [
-        {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
+        {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": name or f"rank {rank}"}},
         {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
     ]
     for tid in sorted(lanes["compute"] + lanes["comm"]):
@@ -115,8 +125,9 @@ def _metadata(rank: int, lanes: dict[str, list[int]]) -> list[dict[str, Any]]:
     return meta
 
 
-def trace_events(rank: int, timeline: dict[str, Any]) -> list[dict[str, Any]]:
-    """One rank's metadata, then its complete events (microseconds) in the order given."""
+def trace_events(rank: int, timeline: dict[str, Any], name: str = "") -> list[dict[str, Any]]:
+    """One rank's metadata (its process ``name``: "rank r" unless given), then its complete events (microseconds) in
+    the order given."""
     events = list(timeline.get("events", ()))
     tids, lanes = threads(events)
     complete = []
@@ -127,17 +138,23 @@ def trace_events(rank: int, timeline: dict[str, Any]) -> list[dict[str, Any]]:
             "name": name_of(event), "cat": event.get("cat", "other"), "ph": "X", "ts": event["start"] * 1e6,
             "dur": event["dur"] * 1e6, "pid": rank, "tid": tid, "args": args,
         })  # fmt: skip
-    return _metadata(rank, lanes) + complete
+    return _metadata(rank, lanes, name) + complete
 
 
 def write_chrome_trace(reports: list[dict[str, Any]], path: Path) -> Path:
     """Write every rank's timeline as a Chrome trace (``path``, or ``path/shardlab_timeline.trace.json``)."""
     path = _target(path, TRACE_NAME)
     events, steps = [], {}
-    for rank, timeline in timelines(reports):
+    lines = timelines(reports)
+    for rank, timeline in lines:
         events += trace_events(rank, timeline)
         steps[str(rank)] = {"step": timeline.get("step"), "step_seconds": timeline.get("step_seconds")}
+    predicted = predicted_timeline(reports)
+    if lines and predicted:
+        events += trace_events(max(rank for rank, _ in lines) + 1, predicted, "predicted")
     trace = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"ranks": steps}}
+    if lines and predicted:
+        trace["otherData"]["predicted"] = {"step_seconds": predicted.get("step_seconds")}
     path.write_text(json.dumps(trace))
     return path
 
@@ -201,10 +218,12 @@ def _label_units(axes: Any, y: float, timeline: dict[str, Any], ms_per_char: flo
                 axes.text(middle, y, name, ha="center", va="center", fontsize=6, color="white", clip_on=True, zorder=4)
 
 
-def _title(lines: list[tuple[int, dict[str, Any]]]) -> str:
-    """Which optimizer step is drawn (budget/measured/step_time.py numbers it) and each rank's time in it."""
+def _title(lines: list[tuple[int, dict[str, Any]]], predicted: dict[str, Any] | None = None) -> str:
+    """Which optimizer step is drawn (budget/measured/step_time.py numbers it), each rank's time in it, and the
+    step predicted."""
     steps = sorted({int(t["step"]) for _, t in lines if t.get("step") is not None})
     times = [f"rank {r} {float(t.get('step_seconds', 0.0)) * 1e3:.2f} ms" for r, t in lines]
+    times += [f"predicted {float(predicted.get('step_seconds', 0.0)) * 1e3:.2f} ms"] if predicted else []
     rows = [", ".join(times[i : i + 6]) for i in range(0, len(times), 6)]
     which = f" (optimizer step {'/'.join(map(str, steps))})" if steps else ""
     return f"one steady step{which}: " + ",\n".join(rows)
@@ -223,8 +242,8 @@ def _legend(axes: Any, looks: dict[str, tuple]) -> None:
 
 
 def write_timeline_png(reports: list[dict[str, Any]], path: Path) -> Path | None:
-    """Draw every rank's step into ``path`` (PNG, or ``path/shardlab_timeline.png``); None when matplotlib is not
-    installed or no report has a timeline."""
+    """Draw every rank's step into ``path`` (PNG, or ``path/shardlab_timeline.png``), and rank 0's predicted step
+    below them; None when matplotlib is not installed or no report has a timeline."""
     lines = timelines(reports)
     try:
         from matplotlib.figure import Figure
@@ -232,19 +251,22 @@ def write_timeline_png(reports: list[dict[str, Any]], path: Path) -> Path | None
         return None
     if not lines:
         return None
-    width, count = 13.0, len(lines)
+    predicted = predicted_timeline(reports)
+    lanes = [(f"rank {rank}", timeline) for rank, timeline in lines] + ([("predicted", predicted)] if predicted else [])
+    width, count = 13.0, len(lanes)
     figure = Figure(figsize=(width, 1.6 + 0.95 * count))
     axes = figure.add_subplot()
-    span, shades, looks = _span_ms(lines), unit_shades(lines), {}
+    drawn = [(i, t) for i, (_, t) in enumerate(lanes)]
+    span, shades, looks = _span_ms(drawn), unit_shades(drawn), {}
     ms_per_char = 0.055 * span / (0.7 * width)  # fontsize 6: about 0.055 inch a character; the axes ~70% wide
     ticks, names = [], []
-    for place, (rank, timeline) in enumerate(lines):
+    for place, (label, timeline) in enumerate(lanes):
         base = 2.2 * (count - 1 - place)  # rank 0 on top
         rows = {"compute": base + 1.0, "comm": base}
         _draw_rank(axes, rows, timeline, shades, looks)
         _label_units(axes, rows["compute"], timeline, ms_per_char)
         ticks += [rows["compute"], rows["comm"]]
-        names += [f"rank {rank}  compute", "comm"]
+        names += [f"{label}  compute", "comm"]
         if place:
             axes.axhline(base + 1.7, color="#cccccc", linewidth=0.8)
     axes.set_yticks(ticks, names, fontsize="small")
@@ -252,7 +274,7 @@ def write_timeline_png(reports: list[dict[str, Any]], path: Path) -> Path | None
     axes.set_ylim(-0.7, 2.2 * (count - 1) + 1.7)
     axes.set_xlabel("ms (one clock for all ranks)")
     axes.grid(axis="x", color="#eeeeee", zorder=0)
-    axes.set_title(_title(lines), fontsize="medium")
+    axes.set_title(_title(lines, predicted), fontsize="medium")
     _legend(axes, looks)
     figure.tight_layout()
     target = _target(path, PNG_NAME)

@@ -12,6 +12,9 @@ while compute waits and at ``link_share`` of it while compute runs: 1 where coll
 
 and by collective kind its seconds on the wire, ``exposed``, ``hidden`` and ``in_flight`` (each call from its launch to
 its end, queued behind others included: what a clock at the engine's seams sees as in flight, budget/measured/).
+The played step is also kept as the timeline picture's events (``timeline``: compute by part and unit, each call
+from its launch to its end, each exposed wait), so the picture draws the prediction beside the measured ranks
+(budget/timeline_picture.py): one model serves the run's prediction, the plan and the picture.
 
 - **a collective**: the ring lower bound on its link (budget/predicted/zero_table.py's ``Interconnect``): an
   all-gather or reduce-scatter of a full tensor of b bytes over N ranks takes (N-1)/N b / bandwidth + (N-1) latency;
@@ -117,6 +120,8 @@ class Timeline:
         self.in_flight: dict[str, float] = {}  # kind -> seconds from each launch to its end (queued behind others too)
         self.phase = "forward"  # the part of the step compute is in: what launching a call is charged to
         self.launching: dict[str, float] = {}  # part -> host seconds spent launching calls
+        self.events: list[dict[str, Any]] = []  # the step as the timeline picture draws one (timeline_picture.py)
+        self._unit = ""  # the unit compute runs now: what launching a call is drawn as
 
     def _advance(self, seconds: float, speed: float) -> None:
         """The links work for the next ``seconds`` at ``speed`` x their own; calls that finish are noted."""
@@ -131,7 +136,14 @@ class Timeline:
                 if call[1] <= 1e-12:
                     self.ended[queue.pop(0)[0]] = at
 
-    def compute(self, seconds: float) -> None:
+    def compute(self, seconds: float, cat: str = "", name: str = "") -> None:
+        """Compute for ``seconds``: drawn as ``cat`` (forward, backward, optimizer, data) of ``name`` (a unit)."""
+        if cat:
+            self._unit = name
+        if seconds > 0:
+            start = self.now
+            self.events.append({"name": name or self._unit or cat or self.phase, "cat": cat or self.phase,
+                                "lane": "compute", "start": start, "dur": seconds})  # fmt: skip
         self._advance(seconds, self.share)
         self.now += seconds
 
@@ -163,6 +175,11 @@ class Timeline:
                 queue.remove(next(call for call in queue if call[0] == key))
                 self.ended[key] = self.now
         end = self.ended.pop(key)
+        name = f"{kind} {key[1]}"
+        self.events.append({"name": name, "cat": kind, "lane": "comm", "start": launched, "dur": end - launched})
+        if end > waited:
+            self.events.append({"name": name, "cat": "comm_exposed", "lane": "compute", "start": waited,
+                                "dur": end - waited})  # fmt: skip
         self.in_flight[kind] = self.in_flight.get(kind, 0.0) + end - launched
         self.hidden[kind] = self.hidden.get(kind, 0.0) + min(end, waited) - launched
         self.to_wait[kind] = self.to_wait.get(kind, 0.0) + max(end, waited) - launched
@@ -197,15 +214,15 @@ def _forward(line: Timeline, root: UnitTimes, units: list[UnitTimes], plan: Sche
             _gather(line, unit, unit.gather, started)
         _gather(line, root, root.gather, started)
         line.wait(("gather", ROOT))
-    line.compute(root.lead_forward)
+    line.compute(root.lead_forward, "forward", root.name)
     for i, unit in enumerate(units):
         if gathers:
             _gather(line, unit, unit.gather, started)
             line.wait(("gather", unit.name))
             for ahead in units[i + 1 : i + 1 + plan.prefetch]:
                 _gather(line, ahead, ahead.gather, started)
-        line.compute(unit.forward)
-    line.compute(root.forward - root.lead_forward)
+        line.compute(unit.forward, "forward", unit.name)
+    line.compute(root.forward - root.lead_forward, "forward", root.name)
 
 
 def _reduce(line: Timeline, unit: UnitTimes, in_flight: list[UnitTimes], limit: int) -> None:
@@ -225,17 +242,17 @@ def _backward(line: Timeline, root: UnitTimes, units: list[UnitTimes], plan: Sch
     order, started, in_flight = units[::-1], set(), []
     regathers = plan.stage is Stage.PARAMETERS and bool(plan.reshard_after_forward)
     needs = {u.name: regathers and u is not units[-1] for u in units}
-    line.compute(root.backward - root.lead_backward)
+    line.compute(root.backward - root.lead_backward, "backward", root.name)
     for i, unit in enumerate(order):
         if needs[unit.name]:
             _gather(line, unit, unit.regather, started)
             line.wait(("gather", unit.name))
         for ahead in (u for u in order[i + 1 : i + 1 + plan.prefetch] if needs[u.name]):
             _gather(line, ahead, ahead.regather, started)
-        line.compute(unit.backward)
+        line.compute(unit.backward, "backward", unit.name)
         if reduce and plan.stage >= Stage.GRADIENTS:
             _reduce(line, unit, in_flight, MAX_REDUCTIONS_IN_FLIGHT)
-    line.compute(root.lead_backward)
+    line.compute(root.lead_backward, "backward", root.name)
     if reduce:
         _finish_backward(line, root, units, plan, in_flight)
 
@@ -270,14 +287,14 @@ def play(
     and at stages 1-2 the refresh of every resident unit (launched together, waited for); the links at
     ``link_share`` of their speed while compute runs (``Timeline``)."""
     line = Timeline(link_share)
-    line.compute(data)
+    line.compute(data, "data", "data")
     for i in range(micro_batches):
         line.phase = "forward"
         _forward(line, root, units, plan)
         line.phase = "backward"
         _backward(line, root, units, plan, reduce=not plan.defer or i == micro_batches - 1)
     line.phase = "optimizer"
-    line.compute(optimizer)
+    line.compute(optimizer, "optimizer", "optimizer")
     if plan.stage is not Stage.PARAMETERS:
         for unit in [root, *units]:
             line.launch(("refresh", unit.name), "all_gather", INTRA, unit.refresh, unit.launch)
@@ -396,6 +413,7 @@ def _result(
         "comm_hidden": sum(line.hidden.values(), 0.0),
         "by_unit": {t.name: {"forward": m * t.forward, "backward": m * t.backward} for t in times},
         "by_collective": {kind: _kind(line, kind) for kind in line.wire},
+        "timeline": {"step_seconds": line.now, "events": sorted(line.events, key=lambda e: e["start"])},
     }
 
 
