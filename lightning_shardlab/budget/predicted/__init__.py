@@ -15,6 +15,7 @@ fits.py          the step's peak (state + the timeline's busiest moment): does i
 compute_trace.py one micro-batch's work by unit under fake tensors: FLOPs, memory-bound bytes, kernels; the optimizer's
 compute_rate.py  how fast a device works: given (a named device, --flops) or measured here (short probes, cached)
 engine_cost.py   the engine's own work per unit (its hooks), measured on a world of one beside the same blocks unsharded
+clocks.py        one compute stream and first-in-first-out links: the clocks a step is played on
 step_time.py     seconds per optimizer step: the engine's schedule played on one compute stream and its links
 run_time.py      the time predicted for a run: its layout, mesh and first batch (what ShardLabBudget calls)
 plan_time.py     a plan's time per step, and the cheapest change that hides its communication

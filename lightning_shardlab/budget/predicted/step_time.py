@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_shardlab.budget.measured.activations import ROOT
+from lightning_shardlab.budget.predicted.clocks import Timeline
 from lightning_shardlab.budget.predicted.compute_rate import ComputeRate
 from lightning_shardlab.budget.predicted.compute_trace import (
     ComputeTrace,
@@ -99,92 +100,6 @@ class UnitTimes:
     launch: float = 0.0  # host seconds to launch one of its collectives inside the shard group (one call per flat
     launch_across: float = 0.0  # parameter), and one across groups: the compute stream pays them at each launch
     lead_backward: float = 0.0  # the root: the backward of its lead forward, the last of the step's backward
-
-
-class Timeline:
-    """One compute stream and first-in-first-out links: each wait advances the clock to the collective's end.
-
-    A link works at full speed while compute waits, and at ``share`` of it while compute runs (1: links of their own,
-    as a GPU's; 0: a CPU whose cores all compute, where a collective moves only while its rank is blocked)."""
-
-    def __init__(self, share: float = 1.0) -> None:
-        self.now = 0.0  # seconds
-        self.share = share
-        self.queues: dict[str, list[list]] = {}  # link -> [key, seconds of work left at full speed], in order
-        self.pending: dict[tuple[str, str], tuple[str, float]] = {}  # (what, unit) -> (kind, launched)
-        self.ended: dict[tuple[str, str], float] = {}  # calls done, not yet waited for -> when they ended
-        self.wire: dict[str, float] = {}  # kind -> seconds on the wire
-        self.exposed: dict[str, float] = {}  # kind -> seconds compute waited for it
-        self.hidden: dict[str, float] = {}  # kind -> seconds each call flew before its wait (queued behind others too)
-        self.to_wait: dict[str, float] = {}  # kind -> seconds from each launch to the end of its wait
-        self.in_flight: dict[str, float] = {}  # kind -> seconds from each launch to its end (queued behind others too)
-        self.phase = "forward"  # the part of the step compute is in: what launching a call is charged to
-        self.launching: dict[str, float] = {}  # part -> host seconds spent launching calls
-        self.events: list[dict[str, Any]] = []  # the step as the timeline picture draws one (timeline_picture.py)
-        self._unit = ""  # the unit compute runs now: what launching a call is drawn as
-
-    def _advance(self, seconds: float, speed: float) -> None:
-        """The links work for the next ``seconds`` at ``speed`` x their own; calls that finish are noted."""
-        if speed <= 0:
-            return
-        for queue in self.queues.values():
-            at, work = self.now, seconds * speed
-            while queue and work > 0:
-                call = queue[0]
-                done = min(call[1], work)
-                call[1], work, at = call[1] - done, work - done, at + done / speed
-                if call[1] <= 1e-12:
-                    self.ended[queue.pop(0)[0]] = at
-
-    def compute(self, seconds: float, cat: str = "", name: str = "") -> None:
-        """Compute for ``seconds``: drawn as ``cat`` (forward, backward, optimizer, data) of ``name`` (a unit)."""
-        if cat:
-            self._unit = name
-        if seconds > 0:
-            start = self.now
-            self.events.append({"name": name or self._unit or cat or self.phase, "cat": cat or self.phase,
-                                "lane": "compute", "start": start, "dur": seconds})  # fmt: skip
-        self._advance(seconds, self.share)
-        self.now += seconds
-
-    def launch(self, key: tuple[str, str], kind: str, link: str, seconds: float, host: float = 0.0) -> None:
-        """The call enters its link's queue once the host has launched it (``host`` seconds of compute)."""
-        if seconds <= 0 or key in self.pending:
-            return
-        self.compute(host)
-        self.launching[self.phase] = self.launching.get(self.phase, 0.0) + host
-        self.queues.setdefault(link, []).append([key, seconds])
-        self.pending[key] = (kind, self.now)
-        self.wire[kind] = self.wire.get(kind, 0.0) + seconds
-
-    def wait(self, key: tuple[str, str]) -> None:
-        if key not in self.pending:
-            return
-        kind, launched = self.pending.pop(key)
-        waited = self.now
-        if key not in self.ended:  # blocked: every link at full speed until this call is through
-            queue = next(q for q in self.queues.values() if any(call[0] == key for call in q))
-            ahead = 0.0
-            for call in queue:
-                ahead += call[1]
-                if call[0] == key:
-                    break
-            self._advance(ahead, 1.0)
-            self.now += ahead
-            if key not in self.ended:  # rounding left a sliver of it
-                queue.remove(next(call for call in queue if call[0] == key))
-                self.ended[key] = self.now
-        end = self.ended.pop(key)
-        name = f"{kind} {key[1]}"
-        self.events.append({"name": name, "cat": kind, "lane": "comm", "start": launched, "dur": end - launched})
-        if end > waited:
-            self.events.append({"name": name, "cat": "comm_exposed", "lane": "compute", "start": waited,
-                                "dur": end - waited})  # fmt: skip
-        self.in_flight[kind] = self.in_flight.get(kind, 0.0) + end - launched
-        self.hidden[kind] = self.hidden.get(kind, 0.0) + min(end, waited) - launched
-        self.to_wait[kind] = self.to_wait.get(kind, 0.0) + max(end, waited) - launched
-        if end > waited:
-            self.exposed[kind] = self.exposed.get(kind, 0.0) + end - waited
 
 
 @dataclass(frozen=True)
