@@ -34,20 +34,20 @@ MODELS = ("tiny stack", "example GPT", "HF GPT-2", "HF Llama", "conv net + Batch
 VARIANTS = ((1, 1), (2, 1), (3, 1), (3, 2))  # (stage, micro-batches per optimizer step)
 PARTS = ("forward", "backward", "optimizer", "data", "comm_exposed", "waiting_for_ranks")
 SECTION = "## The zoo"
-READING = """Reading it. Before this session's changes to the model, 6 of 24 rows (2 ranks) were within 0.75-1.33, the worst
-4.55. Three changes moved them: a collective's cost to a rank that computes around it (comm/link_probe.py's busy
-loop, a small call with compute on either side against the same compute alone: 0.5-1 ms a call on gloo here, where
-the ranks take every core), charged as compute where the engine launches a call and as the latency a busy rank
-waits for; backward derived from the forward's work (2 x the FLOPs, the memory-bound bytes once, 2 x the kernels)
-rather than 2 x the forward, which had HF GPT-2's and the conv net's backward at twice their time; convolutions and
-attention timed for the FLOP rate beside matmuls (the conv net's rate had been its 10-wide head's). What the rows
-still miss, from the largest: the exposed communication of the small models on 2 ranks, the rows whose step is
-mostly calls (HF Llama at stage 3, the tiny stack): the busy probe's cost per call moves up to 2x from one run to
-the next (two ranks and their communication threads time-sliced on two cores), which moves those rows by as much
-(HF Llama at stage 3 read 1.14 and 2.74 in two runs of this command, the tiny stack at stage 1 0.55 and 0.47); on 4 ranks, ``waiting_for_ranks``
-(4 ranks on 2 cores: the model takes the ranks as equal and predicts none), which is most of what those rows miss;
-the forward of op-heavy models (HF Llama, the MoE) at 2-3x: Python between kernels, which no count of kernels
-prices."""
+READING = """Reading it. Until 2026-12-06 (the model before three changes), 6 of 24 rows (2 ranks) were within
+0.75-1.33, the worst 4.55. Three changes moved them: a collective's cost to a rank that computes around it
+(comm/link_probe.py's busy loop, a small call with compute on either side against the same compute alone: 0.5-1 ms a
+call on gloo here, where the ranks take every core), charged as compute where the engine launches a call and as the
+latency a busy rank waits for; backward derived from the forward's work (2 x the FLOPs, the memory-bound bytes once,
+2 x the kernels) rather than 2 x the forward, which had HF GPT-2's and the conv net's backward at twice their time;
+convolutions and attention timed for the FLOP rate beside matmuls (the conv net's rate had been its 10-wide head's).
+What the rows still miss, from the largest: the exposed communication of the small models on 2 ranks, the rows whose
+step is mostly calls (HF Llama at stage 3, the tiny stack): the busy probe's cost per call moves up to 2x from one
+run to the next (two ranks and their communication threads time-sliced on two cores), which moves those rows by as
+much (HF Llama at stage 3 read 1.14 and 2.74 in two runs of this command, the tiny stack at stage 1 0.55 and 0.47);
+on 4 ranks, ``waiting_for_ranks`` (4 ranks on 2 cores: the model takes the ranks as equal and predicts none), which
+is most of what those rows miss; the forward of op-heavy models (HF Llama, the MoE) at 2-3x: Python between kernels,
+which no count of kernels prices."""
 
 
 def _token_module(body: Any, block: type, vocab: int, seq: int, batch: int) -> tuple[Any, type, Any]:
