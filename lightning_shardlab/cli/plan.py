@@ -42,8 +42,8 @@ From ``--params`` alone it prints each collective's time on the wire, and says c
     shardlab plan --model lightning_shardlab.examples.gpt.GPT --init-args '{"block_size": 1024}' --world-size 8 \\
         --interconnect 10gbe --micro-batch-size 8 --seq-len 1024 --flops here
 
-``--optimizer muon|adafactor`` plans a whole-tensor optimizer (budget/predicted/plan_whole.py): each parameter it steps
-is owned by one rank, which keeps its state; the plan shows the fullest rank's share (about 1/W) and the
+``--optimizer muon|adafactor`` plans a whole-tensor optimizer (budget/predicted/whole_tensor.py): each parameter it
+steps is owned by one rank, which keeps its state; the plan shows the fullest rank's share (about 1/W) and the
 all-to-alls per step. With ``--model`` or ``--config``, Muon steps the parameters of 2+ dimensions inside
 units other than the root (the blocks' matrices) and AdamW the rest, the usual recipe; from ``--params``,
 the 1/W ideal.
@@ -67,10 +67,10 @@ from rich.console import Console
 from lightning_shardlab.budget.measured.tiers import LINKS
 from lightning_shardlab.budget.predicted.activation_trace import CONVERTED
 from lightning_shardlab.budget.predicted.compute_rate import (
+    MEMORY_BANDWIDTH,
     ComputeRate,
     link_share,
     measure_rate,
-    preset_rate,
     sharing_cores,
 )
 from lightning_shardlab.budget.predicted.engine_cost import with_engine_cost
@@ -78,7 +78,6 @@ from lightning_shardlab.budget.predicted.fits import Setting, add_activations
 from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, plan_model, plan_params
 from lightning_shardlab.budget.predicted.plan_time import TimedSetting, plan_time
 from lightning_shardlab.budget.predicted.run_time import local_link
-from lightning_shardlab.budget.predicted.step_time import Links, traffic_seconds
 from lightning_shardlab.budget.predicted.zero_table import DEVICES, INTERCONNECTS, Interconnect, Traffic
 from lightning_shardlab.cli.plan_tables import print_plan, print_time
 from lightning_shardlab.core.config import ShardLabConfig, import_path
@@ -290,11 +289,37 @@ def make_time(args: argparse.Namespace, plan: Plan, timed: TimedSetting | None) 
     return plan_time(timed)
 
 
+def preset_rate(device: str, mfu: float = 0.4, flops: float | None = None) -> ComputeRate:
+    """A named device (``DEVICES``): its dense peak x ``mfu``, or ``flops`` FLOP/s given; its datasheet bandwidth
+    (compute_rate.py's ``MEMORY_BANDWIDTH``). ``ValueError`` naming the option for an unknown device or a rate that
+    is not positive."""
+    if device not in DEVICES:
+        raise ValueError(f"--device {device!r} is not known. HINT: one of {', '.join(DEVICES)}.")
+    if flops is not None and flops <= 0 or not 0 < mfu <= 1:
+        raise ValueError(f"--flops must be > 0 and --mfu in (0, 1], not {flops} and {mfu}.")
+    name = f"given: {flops:.3g} FLOP/s" if flops is not None else f"{device} peak {DEVICES[device]:.3g} x {mfu:g}"
+    kind = "cpu" if device.startswith("cpu") else "cuda"
+    rate = flops if flops is not None else DEVICES[device] * mfu
+    return ComputeRate(f"{name}, {MEMORY_BANDWIDTH[device] / 1e9:,.0f} GB/s", rate, MEMORY_BANDWIDTH[device], 0.0, kind)
+
+
 def comm_only_time(plan: Plan, intra: Interconnect, inter: Interconnect) -> dict[str, Any]:
-    """What a plan without a traced micro-batch can time: each collective kind's seconds on the wire."""
-    links = Links(intra, inter, plan.replicas, plan.reshard_size)
+    """What a plan without a traced micro-batch can time: each collective kind's seconds on the wire, the ring lower
+    bound over its calls (``Plan.traffic``), none known to be hidden."""
+    traffic, group, reshard = Traffic(**plan.traffic), plan.shard_group_size, plan.reshard_size
+    out = {}
+    for kind in ("all_gather", "reduce_scatter"):
+        scopes = ("world", "shard")
+        out[kind] = intra.ring_seconds(
+            traffic.scope_bytes(*scopes, kind=kind), group, traffic.scope_calls(*scopes, kind=kind)
+        )
+        if reshard:
+            nbytes, calls = traffic.scope_bytes("reshard", kind=kind), traffic.scope_calls("reshard", kind=kind)
+            out[kind] += intra.ring_seconds(nbytes, reshard, calls)
+    calls, nbytes = traffic.scope_calls("replica"), traffic.scope_bytes("replica")
+    out["all_reduce"] = inter.all_reduce_seconds(nbytes, plan.replicas, calls) if calls else 0.0
     return {
-        "by_collective": traffic_seconds(Traffic(**plan.traffic), plan.shard_group_size, links),
+        "by_collective": {kind: {"seconds": s, "exposed": None} for kind, s in out.items() if s > 0},
         "note": "compute, and so what hides behind it, needs a model: --model or --config with --micro-batch-size"
         " and --seq-len",
     }

@@ -1,7 +1,7 @@
 """The predicted side of the budget: the same figures derived from the layout, the plan and the first batch.
 
 zero_table.py    the ZeRO table applied to the real layout (or a parameter count): bytes and traffic per rank
-whole_tensor.py  whole-tensor optimizers (Muon, Adafactor): owned state and the owners' exchanges
+whole_tensor.py  whole-tensor optimizers (Muon, Adafactor): owned state and the owners' exchanges, run and planned
 activation_prediction.py  activations predicted for the run: its first batch traced through a meta copy
 activation_trace.py  one micro-batch traced under fake tensors, with and without checkpointing
 step_stand_ins.py  what a traced training_step reads besides its batch (trainer, logs, metrics, .item()): stood in for
@@ -10,7 +10,6 @@ optimizer_peak.py  the optimizer step's temporaries: the run's own optimizers st
 step_peak.py     the step's peak predicted for the run: its layout's state + its first batch's timeline
 plan.py          the prediction for a run that has not happened: from a parameter count or a model's layout
 option_savings.py  the fewer-bytes options planned: each one's bytes per step and the link time it saves
-plan_whole.py    the plan of a whole-tensor optimizer: owners' state per rank (Muon beside AdamW), exchanges
 fits.py          the step's peak (state + the timeline's busiest moment): does it fit, and the cheapest change if not
 compute_trace.py one micro-batch's work by unit under fake tensors: FLOPs, memory-bound bytes, kernels; the optimizer's
 compute_rate.py  how fast a device works: given (a named device, --flops) or measured here (short probes, cached)

@@ -1,16 +1,13 @@
 """Activations predicted: one micro-batch of the user's own module traced under fake tensors, nothing allocated.
 
-One training forward (the LightningModule's ``training_step`` when it runs under fake tensors, else ``forward`` and a
-loss) of a model built on the meta device runs under torch's ``FakeTensorMode``: shapes only, so a 7B-shaped model
-traces in about a second. Each tensor autograd saves is counted by a ``saved_tensors_hooks`` pack hook as the run's
-meter counts it (budget/measured/activations.py: by storage, once; parameters left out), charged to the innermost
-unit whose forward runs (outside all of them, the root). Precision as the run computes (common/precision.py).
-
-Checkpointing changes what is kept, not what is computed, so one trace serves both: a checkpointed module keeps only
-its tensor inputs, and in backward its forward runs again, saving what it saved the first time less those inputs
-(``recompute_peak``: the largest, live on top of the rest). The helpers that run a user's step under fake tensors
-live here; budget/predicted/compute_trace.py and step_timeline.py run the step with them too. Kernels are the CPU's:
-where a GPU picks one that saves differently (attention's math fallback), the figure follows the CPU.
+One training forward (``training_step`` when it runs under fake tensors, else ``forward`` and a loss) of a model on
+the meta device runs under ``FakeTensorMode``: shapes only, so a 7B-shaped model traces in about a second. A pack
+hook counts each tensor autograd saves as the run's meter does (budget/measured/activations.py), charged to the
+innermost unit whose forward runs (else the root), in the run's precision (common/precision.py). Checkpointing
+changes what is kept, not what is computed, so one trace serves both: a checkpointed module keeps only its tensor
+inputs, and its backward recomputes what it saved less those inputs (``recompute_peak``: the largest). The helpers
+that run a user's step under fake tensors live here (compute_trace.py and step_timeline.py use them). Kernels are
+the CPU's: where a GPU picks one that saves differently (attention's math fallback), the figure follows the CPU.
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """How fast a device works: the rates that turn traced work (budget/predicted/compute_trace.py) into seconds.
 
-A ``ComputeRate`` prices the three counts of a ``Work``:
-
     seconds = FLOPs / flops_per_second + bytes / bytes_per_second + kernels x seconds_per_op
 
-(a sum, not the roofline's max: a unit's matmuls and its memory-bound ops run one after the other).
-
-It is either **given** — a named device's dense peak (budget/predicted/zero_table.py's ``DEVICES``) x an efficiency
-(``shardlab plan``'s ``--mfu``), or a FLOP/s figure (``--flops``), with the device's memory bandwidth from its
-datasheet (``MEMORY_BANDWIDTH``) and no per-kernel cost (a GPU queues kernels ahead of the ones running) — or
-**measured** here (``measure_rate``), on the run's device at its thread count (``torch.get_num_threads()``):
-
-- FLOPs: the traced model's own three shapes that carry the most FLOPs, matmuls (each timed on the device in the
-  compute dtype, rows cut down so that one call stays under ~0.4 GFLOP on a CPU, 1 TFLOP on a GPU) and
-  convolutions or attention (one call run for real on tensors of its traced shapes): the rate is their FLOPs over
-  their summed time (a square 512 x 512 x 512 matmul when nothing was traced);
-- memory bandwidth: the traced model's own heaviest memory-bound ops (norms, activations, softmax, casts: on a CPU
-  they run slower per byte than a copy), each run for real on tensors of its traced shapes, the bytes one call of
-  each moves over their time (``model_bandwidth``); without a trace, a copy of 64 MiB (1 GiB on a GPU);
-- per kernel: four tiny blocks (norm, linear, activation, residual add), each hooked as the engine hooks a unit, run
-  forward and backward under autograd: the fixed cost of a kernel as a training step dispatches it from Python
-  (through a module's call and its hooks; and launches it, on a GPU), priced so that the blocks' forward and backward
-  cost what they took (``seconds_per_op``); and a kernel outside modules and autograd, as an optimizer's step
-  dispatches its own (``seconds_per_bare_op``: in-place multiplications under ``no_grad``).
+(a sum, not the roofline's max: a unit's matmuls and its memory-bound ops run one after the other). A rate is either
+**given** (cli/plan.py's ``preset_rate``): a named device's dense peak (zero_table.py's ``DEVICES``) x ``--mfu``, or
+``--flops``, with its datasheet memory bandwidth (``MEMORY_BANDWIDTH``) and no per-kernel cost (a GPU queues kernels
+ahead of the ones running); or **measured** here (``measure_rate``) at the run's thread count, on the traced model's
+own work (what each probe runs: docs/budget.md, "The time per step"): its three heaviest matmul shapes (rows cut so
+one call stays under ~0.4 GFLOP on a CPU, 1 TFLOP on a GPU) and convolutions or attention for FLOP/s; its heaviest
+memory-bound ops for bytes/s (``model_bandwidth``: on a CPU norms, softmax and casts run slower per byte than a
+copy); four tiny hooked blocks forward and backward for a kernel as a step dispatches it (``seconds_per_op``), and
+in-place multiplications under ``no_grad`` for one an optimizer dispatches (``seconds_per_bare_op``). Without a
+trace: a 512 x 512 x 512 matmul and a 64 MiB copy (1 GiB on a GPU).
 
 Each probe runs a warm-up call, then repeats until ~50 ms have passed (at most 5 calls), and keeps the median.
 They are cached per process, by device, dtype, shape and thread count: a run or a plan pays them once (about
@@ -43,7 +32,6 @@ import torch
 from torch.utils._pytree import tree_map
 
 from lightning_shardlab.budget.predicted.compute_trace import TensorSpec, TracedOp, Work, WorkMode
-from lightning_shardlab.budget.predicted.zero_table import DEVICES
 
 MEMORY_BANDWIDTH = {  # bytes per second of device memory, from each vendor's datasheet
     "h100": 3.35e12,  # H100 SXM5 80 GB, HBM3 (NVIDIA H100 Tensor Core GPU datasheet)
@@ -93,19 +81,6 @@ class ComputeRate:
         (``bare``: kernels dispatched outside modules and autograd, as an optimizer's step runs them)."""
         per_op = self.seconds_per_bare_op if bare and self.seconds_per_bare_op else self.seconds_per_op
         return work.flops / self.flops_per_second + work.bytes / self.bytes_per_second + work.ops * per_op
-
-
-def preset_rate(device: str, mfu: float = 0.4, flops: float | None = None) -> ComputeRate:
-    """A named device (``DEVICES``): its dense peak x ``mfu``, or ``flops`` FLOP/s given; its datasheet bandwidth.
-    ``ValueError`` naming the option for an unknown device or a rate that is not positive."""
-    if device not in DEVICES:
-        raise ValueError(f"--device {device!r} is not known. HINT: one of {', '.join(DEVICES)}.")
-    if flops is not None and flops <= 0 or not 0 < mfu <= 1:
-        raise ValueError(f"--flops must be > 0 and --mfu in (0, 1], not {flops} and {mfu}.")
-    name = f"given: {flops:.3g} FLOP/s" if flops is not None else f"{device} peak {DEVICES[device]:.3g} x {mfu:g}"
-    kind = "cpu" if device.startswith("cpu") else "cuda"
-    rate = flops if flops is not None else DEVICES[device] * mfu
-    return ComputeRate(f"{name}, {MEMORY_BANDWIDTH[device] / 1e9:,.0f} GB/s", rate, MEMORY_BANDWIDTH[device], 0.0, kind)
 
 
 # ---- measured ----

@@ -1,15 +1,13 @@
 """The work of one micro-batch, by unit, traced under fake tensors: FLOPs, memory-bound bytes and kernels.
 
-The time model (budget/predicted/step_time.py) turns work into seconds; this file only counts, as the user's step
-runs under ``FakeTensorMode`` (budget/predicted/activation_trace.py): **FLOPs** by torch's ``FlopCounterMode`` (2 m k n
-per matmul; attention by torch's formula, causal masking not subtracted); every other op that makes a tensor is
-memory-bound, so it costs the **bytes** it moves (its outputs written, each input read up to the size of its largest
-output: an embedding reads the rows it gathers, not the table); and each **kernel** a fixed cost (views and
-allocations are none). Each count is charged to the unit whose forward runs, and to ``recompute`` too inside a
-checkpointed module; the root's share before the first unit (embeddings) is kept apart as ``lead``, its backward
-coming last. Backward is not traced: the time model derives it from the forward (``Work.backward``). The matmuls'
-shapes, the heaviest memory-bound ops and the heaviest other FLOP ops (convolutions, attention) are kept for the rate
-probes (budget/predicted/compute_rate.py); the optimizer's step is counted the same way (``optimizer_work``).
+This file only counts (step_time.py turns work into seconds), as the user's step runs under ``FakeTensorMode``
+(activation_trace.py): **FLOPs** by torch's ``FlopCounterMode`` (attention by torch's formula, causal masking not
+subtracted); every other op that makes a tensor is memory-bound and costs the **bytes** it moves (its outputs, each
+input read up to its largest output's size: an embedding reads the rows it gathers, not the table); each **kernel** a
+fixed cost (views and allocations none). Counts go to the unit whose forward runs, and to ``recompute`` inside a
+checkpointed module; the root's share before the first unit (embeddings) is its ``lead``. Backward is derived, not
+traced (``Work.backward``). The heaviest shapes and ops are kept for the rate probes (compute_rate.py); the
+optimizer's step is counted the same way (``optimizer_work``).
 """
 
 from __future__ import annotations

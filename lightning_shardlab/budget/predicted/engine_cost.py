@@ -1,18 +1,12 @@
 """What the engine's own work costs per unit, measured on this machine: the price a step pays beside its kernels.
 
-A unit's forward and backward run the engine's hooks (sharding/hooks.py) around the model's kernels: at stage 3 the
-pre-forward unshards (each parameter shown its view of the full buffer, the next unit's gather launched), the
-post-forward reshards and hooks the outputs, the post-backward lays the gradients out as one flat gradient and
-launches its reduce-scatter; at stages 1-2 the gradients are still laid out and reduced unit by unit. On a CPU,
-where the host runs every kernel itself, that Python work adds to the step as the kernels do, and for a small model
-it is most of the step (benchmarks/TIME_PREDICTION.md, the tiny stack).
-
-``engine_cost`` measures it: tiny blocks (compute_rate.py's ``ProbeBlock``), one unit each, sharded at the run's
-stage on a world of one (a ``Comm`` of one rank: every hook runs, no collective leaves the process; what the
-collectives themselves cost is the link's, timed apart), run forward and backward beside the same blocks unsharded,
-with 2 and with 6 blocks. The difference grows by the cost of a unit per block (the slope), and what is left at none
-is the step's own (the intercept, less the root's unit: holding the root for the step, the end of backward). A GPU's
-host queues this work ahead of the device's kernels, so there it costs nothing the device waits for: 0.
+A unit's forward and backward run the engine's hooks (sharding/hooks.py) around the model's kernels: unshard, reshard,
+lay gradients out and launch their reduce-scatter. On a CPU, where the host runs every kernel itself, that Python work
+adds to the step, and for a small model it is most of it (benchmarks/TIME_PREDICTION.md, the tiny stack).
+``engine_cost`` runs tiny blocks (compute_rate.py's ``ProbeBlock``), one unit each, sharded at the run's stage on a
+world of one (every hook runs, no collective leaves the process: links are timed apart) beside the same blocks
+unsharded, with 2 and 6 blocks: the slope is a unit's cost, the intercept (less the root's unit) the step's own. A
+GPU's host queues this work ahead of the device's kernels: 0 there.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Does one step fit on the device, and if not, the cheapest change that makes it fit (``shardlab plan
 --micro-batch-size B --seq-len T --device-memory 80GB``).
 
-The step's peak per rank is the model state the device keeps between steps (the plan's layout,
-budget/predicted/plan.py) + the busiest moment of one micro-batch's step on the engine's schedule
-(budget/predicted/step_timeline.py; NCCL: no receive rooms) or of the optimizer's. Each candidate change is planned
-and run the same way:
+The step's peak per rank: the plan's device-resident state + the busiest moment of one micro-batch's step
+(step_timeline.py; NCCL: no receive rooms) or of the optimizer's. Each candidate change is planned and run the same way:
 
 1. a higher stage (2: gradients sharded; 3: parameters too, gathered per unit);
 2. ``activation_checkpointing`` (every unit's modules keep only their inputs);
@@ -12,9 +10,8 @@ and run the same way:
 4. ``offload="cpu"``: masters and optimizer state in host memory;
 5. a larger ``shard_group_size`` (hybrid runs: fewer replicas, more ranks sharing the model).
 
-The chosen one fits at the least time it adds per optimizer step (each candidate's cost below: a lower bound on the
-plan's own links and ``--device`` x ``--mfu``; the same FLOPs for a smaller micro-batch, whose smaller matmuls'
-lower efficiency is not modelled). Equal costs keep the order above.
+The chosen one fits at the least time it adds per optimizer step (a lower bound on the plan's links and ``--device``
+x ``--mfu``; a smaller micro-batch's less efficient matmuls not modelled). Equal costs keep the order above.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """The optimizer step's peak predicted: what the run's own optimizers allocate while they step this rank's masters.
 
-For each of the run's optimizers, an instance of its own class with its own groups' options steps fake tensors of
-its master views' shapes and dtypes (sharding/optimizer.py: 1-D views of the master shards) under
-``FakeTensorMode``: once to make the state (as the run's first step did), then again with every storage it makes
-watched (budget/predicted/step_timeline.py's ``LiveStorages``): the largest total is the step's temporaries. Where a
-group leaves ``foreach`` to torch, the real masters decide it. Beside the update: mixed precision's fp32 copies of
-the grad shards; after it, at stages 1-2, the refresh's receive rooms (on gloo). Offloaded on a GPU, the masters step
-in host memory: none of it on the device. A plan does the same with torch's class its ``--optimizer`` names, on the
-multi-tensor path a GPU takes. A whole-tensor optimizer (Muon, Adafactor) is not predicted here, and says so.
+An instance of each optimizer's own class, with its groups' options, steps fakes of its master views (1-D views of
+the master shards, sharding/optimizer.py) under ``FakeTensorMode``: once to make the state, as the run's first step
+did, then again with every storage watched (step_timeline.py's ``LiveStorages``): the largest total is the step's
+temporaries. Where a group leaves ``foreach`` to torch, the real masters decide it. Beside the update: mixed
+precision's fp32 grad copies; after it, at stages 1-2, the refresh's receive rooms (gloo). Offloaded on a GPU, the
+masters step in host memory: none of it on the device. A plan steps torch's class its ``--optimizer`` names on the
+multi-tensor path. A whole-tensor optimizer (Muon, Adafactor) is not predicted here, and says so.
 """
 
 from __future__ import annotations

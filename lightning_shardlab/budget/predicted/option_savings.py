@@ -1,14 +1,11 @@
 """The fewer-bytes options, planned: each one's bytes per step, and the communication time it saves on the plan's
 links (``shardlab plan``, docs/slow_links.md).
 
-The same arithmetic as the plan itself: the traffic of the real layout (zero_table.py ``predict_traffic``, with
-the packings of comm/packing.py) set on the plan's links (plan.py ``link_seconds``). Each option is planned alone
-against the exact run (``reduce_dtype`` and ``gather_dtype`` off, the plan's other options as given), and then both
-int8 options together. A saving is a lower bound's difference: packing and unpacking cost compute time, which is
-not counted here (docs/slow_links.md measures it).
-
-``ShardLabBudget`` sets the same rows on the link the run measured for itself (``run_option_savings``: its units as
-they ran, its precision, micro-batches and groups), for its end-of-fit table.
+The plan's own arithmetic: the real layout's traffic (zero_table.py ``predict_traffic``, with comm/packing.py's
+packings) on the plan's links (plan.py ``link_seconds``). Each option is planned alone against the exact run
+(``reduce_dtype`` and ``gather_dtype`` off, the other options as given), then both int8 options together. A saving is
+a lower bound's difference: packing and unpacking cost compute, not counted here (docs/slow_links.md measures it).
+``ShardLabBudget`` sets the same rows on the link the run measured for itself (``run_option_savings``).
 """
 
 from __future__ import annotations
@@ -48,42 +45,26 @@ def option_savings(
     ``bytes`` moved per step (what travels in the rings, full tensors), ``comm_seconds`` (``seconds_of`` its
     traffic: the plan's lower bound on its links) and ``saved_seconds`` against the exact run (gradients reduced in
     their masters' dtype). A run's micro-batches per step, and whether each reduces, may be given."""
-    steps = (PrecisionPolicy(compute, None), micro_batches, reduce_every_micro_batch)
-    rows = [_row("exact", {}, units, config, steps, replicas, reshard, seconds_of)]
+    policy = PrecisionPolicy(compute, None)
+
+    def row(name: str, options: dict[str, str]) -> dict[str, Any]:
+        traffic = predict_traffic(
+            units, config.stage, policy, micro_batches, reduce_every_micro_batch,
+            reshard_after_forward=config.reshard_after_forward, replicas=replicas, reshard_size=reshard,
+            gather_packing=packing_for(options.get("gather_dtype"), config.quant_block_size),
+            reduce_packing=packing_for(options.get("reduce_dtype"), config.quant_block_size),
+        )  # fmt: skip
+        moved = traffic.scope_bytes(*traffic.by_scope, rings=True)
+        return {"option": name, "bytes": moved, "comm_seconds": seconds_of(traffic)}
+
+    rows = [row("exact", {})]
     for name, options in OPTIONS:
         if "gather_dtype" in options and config.stage is not Stage.PARAMETERS:
             continue  # weights stay resident at stages 1-2: nothing to gather per unit
-        rows.append(_row(name, options, units, config, steps, replicas, reshard, seconds_of))
-    for row in rows:
-        row["saved_seconds"] = rows[0]["comm_seconds"] - row["comm_seconds"]
+        rows.append(row(name, options))
+    for each in rows:
+        each["saved_seconds"] = rows[0]["comm_seconds"] - each["comm_seconds"]
     return rows
-
-
-def _row(
-    name: str,
-    options: dict[str, str],
-    units: dict[str, list[FlatParamLayout]],
-    config: ShardLabConfig,
-    steps: tuple[PrecisionPolicy, int, bool],
-    replicas: int,
-    reshard: int | None,
-    seconds_of: Callable[[Traffic], float],
-) -> dict[str, Any]:
-    policy, micro_batches, reduce_every_micro_batch = steps
-    traffic = predict_traffic(
-        units,
-        config.stage,
-        policy,
-        micro_batches,
-        reduce_every_micro_batch,
-        reshard_after_forward=config.reshard_after_forward,
-        replicas=replicas,
-        reshard_size=reshard,
-        gather_packing=packing_for(options.get("gather_dtype"), config.quant_block_size),
-        reduce_packing=packing_for(options.get("reduce_dtype"), config.quant_block_size),
-    )
-    moved = traffic.scope_bytes(*traffic.by_scope, rings=True)
-    return {"option": name, "bytes": moved, "comm_seconds": seconds_of(traffic)}
 
 
 def run_option_savings(

@@ -4,7 +4,7 @@
 the target world size on the meta device (no memory, no processes) and predicts from that layout as
 ``ShardLabBudget`` does for a run (budget/predicted/zero_table.py, budget/measured/tiers.py). Both return a ``Plan``:
 bytes per rank by category, bytes moved per step, the lower-bound time on the links, and a whole-tensor optimizer's
-owners and exchanges (budget/predicted/plan_whole.py). ``shardlab plan`` reads its inputs and prints it (cli/).
+owners and exchanges (budget/predicted/whole_tensor.py). ``shardlab plan`` reads its inputs and prints it (cli/).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 
 from lightning_shardlab.budget.measured.tiers import plan_fields, predict_locations, predict_moves, split_by_tier
 from lightning_shardlab.budget.predicted.option_savings import option_savings
-from lightning_shardlab.budget.predicted.plan_whole import SHOWN, WholePlan, plan_whole_model, plan_whole_params
+from lightning_shardlab.budget.predicted.whole_tensor import SHOWN, WholePlan, plan_whole_model, plan_whole_params
 from lightning_shardlab.budget.predicted.zero_table import (
     Interconnect,
     OptimizerShape,

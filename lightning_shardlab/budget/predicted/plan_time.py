@@ -1,6 +1,5 @@
 """A plan's time per step, and the cheapest change that hides its communication (``shardlab plan --micro-batch-size B
---seq-len T``): the plan's layout (budget/predicted/plan.py), one micro-batch's work (compute_trace.py) and the
-optimizer's, played on the engine's schedule over the plan's links at a compute rate (step_time.py).
+--seq-len T``), played as step_time.py plays a run's.
 
 When communication is exposed (more than 1 % of the step), each single change below is timed the same way, and the
 one with the smallest step is named with what it saves:
@@ -8,11 +7,11 @@ one with the smallest step is named with what it saves:
 1. another stage (1, 2 or 3; off stage 3, ``reshard_after_forward`` back to True);
 2. another ``shard_group_size`` (each divisor of the world; a group larger than a node runs on ``--inter``);
 3. stage 3: another ``reshard_after_forward`` (False: no backward gathers; k: backward gathers among k ranks);
-4. a larger micro-batch with fewer accumulation steps, keeping the global batch (more compute per gather); with one
-   micro-batch per step, twice the micro-batch, timed per the original global batch;
+4. a larger micro-batch with fewer accumulation steps, keeping the global batch; with one micro-batch per step,
+   twice the micro-batch, timed per the original global batch;
 5. prefetching two units ahead: a what-if, shown but never chosen (the engine prefetches one).
 
-The changes are timed, not fitted: whether each fits in device memory is budget/predicted/fits.py's question.
+Timed, not fitted: whether each fits in device memory is fits.py's question.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The time predicted for a run: its own layout, schedule and first batch, at the end of fit (``ShardLabBudget``).
 
-``time_predicted_for_run`` reads what the run is — its units in the order their forward ran, their flat parameters'
-layouts, its mesh (shard groups, replicas, reshard groups) and options, its optimizer's class — and plays one
-optimizer step on the engine's schedule (budget/predicted/step_time.py), the first batch's work traced through the
-budget's meta copy of the module (budget/predicted/compute_trace.py, ``unit_flops_for_batch``). It adds no collective
-and reads no clock of the run: the link is given, or measured once per process by two gloo ranks of its own
-(comm/link_probe.py; a GPU run takes the NVLink preset unless given one), and the compute rate is given, or measured
-once per process on the run's device (budget/predicted/compute_rate.py).
+``time_predicted_for_run`` reads the run's units in their forward order, their layouts, its mesh, options and
+optimizer's class, and plays one optimizer step (step_time.py) on the first batch's work traced through the budget's
+meta copy (compute_trace.py). It adds no collective and reads no clock of the run: the link is given or measured once
+per process by two gloo ranks of its own (a GPU run takes the NVLink preset), the rate given or measured once per
+process on the run's device (compute_rate.py).
 """
 
 from __future__ import annotations
@@ -94,13 +92,11 @@ def time_predicted_for_run(
     ranks_here: int = 1,
     link_share: float = 1.0,
 ) -> dict[str, Any]:
-    """This rank's seconds per optimizer step predicted (``predict_step_time``), for a run: its units in the order
-    they ran, its layouts, mesh and options; ``unit_flops`` its first batch's work (compute_trace.py's
-    ``unit_flops_for_batch``, or forward FLOPs per unit); ``link`` (default: ``default_link``; ``inter`` across
-    shard groups, default ``link``) and ``rate`` (default: measured on the run's device, cached, and shared by the
-    ``ranks_here`` ranks on this machine: ``sharing_cores``); ``link_share`` the share of their speed the links keep
-    while compute runs (compute_rate.py's ``link_share``). ``{"error": why}`` when there is nothing to predict from.
-    Adds no collective: call it on any rank, at any time."""
+    """This rank's seconds per optimizer step predicted (``predict_step_time``) for the run: ``unit_flops`` its first
+    batch's work (``unit_flops_for_batch``, or forward FLOPs per unit); ``link`` (default: ``default_link``; ``inter``
+    across shard groups, default ``link``); ``rate`` (default: measured here, shared by the ``ranks_here`` ranks of
+    this machine: ``sharing_cores``). ``{"error": why}`` when there is nothing to predict from. Adds no collective:
+    call it on any rank, at any time."""
     compute = ComputeTrace.of_flops(unit_flops) if isinstance(unit_flops, dict) else unit_flops
     if compute is None or compute.error:
         why = compute.error if compute is not None else "the first batch was not traced"

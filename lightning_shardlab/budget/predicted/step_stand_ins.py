@@ -1,15 +1,14 @@
 """What a user's ``training_step`` reads besides its batch, stood in for while the budget traces it under fake tensors.
 
-A real step also logs, reads its trainer, updates metrics and turns tensors into Python numbers; none of that changes
-what autograd saves or what the step computes, but each would stop a trace (shapes only). So, inside ``standing_in``:
-**the trainer** is a ``TrainerView`` (reads go to the real trainer, writes stay on the view); **logging** does
-nothing (a fake value would reach the real logger); **torchmetrics metrics** update nothing and give a fake 0 (their
-states are real tensors a fake update cannot write); **a data-dependent scalar** (``.item()``, ``float(t)``,
-``bool(t)``) reads 0, so a branch on a value takes the path of 0.
-
-What still cannot be traced: a step that optimizes by hand (its optimizer steps act on the real run), an op whose
-output's shape depends on values (``nonzero``, boolean indexing), code that reads a tensor's memory (``.numpy()``).
-There the budget falls back to ``forward`` and a loss, and says why when that fails too (``in_words``).
+A real step logs, reads its trainer, updates metrics and turns tensors into Python numbers; none of that changes what
+autograd saves or computes, but each would stop a trace (shapes only). So, inside ``standing_in``: **the trainer** is
+a ``TrainerView`` (reads go to the real trainer, writes stay on the view); **logging** does nothing (a fake value
+would reach the real logger); **torchmetrics metrics** update nothing and give a fake 0 (their states are real
+tensors a fake update cannot write); **a data-dependent scalar** (``.item()``, ``float(t)``, ``bool(t)``) reads 0, so
+a branch on a value takes the path of 0. Still untraceable: a step that optimizes by hand (its optimizer steps act on
+the real run), an op whose output's shape depends on values (``nonzero``, boolean indexing), code that reads a
+tensor's memory (``.numpy()``). There the budget falls back to ``forward`` and a loss, and says why when that fails
+too (``in_words``).
 """
 
 from __future__ import annotations

@@ -1,64 +1,43 @@
 """Where the time goes, predicted: seconds per optimizer step, from the layout, the traced work and the links.
 
-The step is played on two clocks, as the engine runs it (sharding/sharded_model.py): one compute stream, and each
-link a first-in-first-out queue of collectives (a process group runs its collectives in order: NCCL on one stream,
-gloo on its queue). A collective launched at time t starts when its link is free, and a wait blocks compute until
-it ends; what the waits block is ``comm_exposed``, by the kind of collective waited for. A link works at full speed
-while compute waits and at ``link_share`` of it while compute runs: 1 where collectives have hardware of their own
-(a GPU), less on a CPU whose cores the ranks' compute threads take (compute_rate.py's ``link_share``). Then:
+The step is played on the engine's clocks (clocks.py: one compute stream, each link a first-in-first-out queue, as a
+process group runs its collectives in order; at ``link_share`` of its speed while compute runs), in the engine's
+order (sharding/sharded_model.py):
 
     step        = forward + backward + optimizer + data + comm_exposed + waiting_for_ranks
     comm_hidden = each collective's seconds in flight before its wait, summed   (in flight while computing)
 
-and by collective kind its seconds on the wire, ``exposed``, ``hidden`` and ``in_flight`` (each call from its launch to
-its end, queued behind others included: what a clock at the engine's seams sees as in flight, budget/measured/).
-The played step is also kept as the timeline picture's events (``timeline``: compute by part and unit, each call
-from its launch to its end, each exposed wait), so the picture draws the prediction beside the measured ranks
-(budget/timeline_picture.py): one model serves the run's prediction, the plan and the picture.
-
-- **a collective**: the ring lower bound on its link (budget/predicted/zero_table.py's ``Interconnect``): an
-  all-gather or reduce-scatter of a full tensor of b bytes over N ranks takes (N-1)/N b / bandwidth + (N-1) latency;
-  the all-reduce of a gradient shard across R replicas 2 (R-1)/R b / bandwidth + 2 (R-1) latency. One call per
-  flat parameter, sized from its layout as ``predict_traffic`` counts it (compute dtype gathered; reduce dtype
-  reduced). Gathers and reduce-scatters run on the link inside the shard group (the reshard group's gathers too),
-  the all-reduces across replicas on the link across groups; the two links run side by side.
-- **launching a collective**: the compute one call takes from its rank (``Interconnect.launch``, measured with the
-  link: posting it and, on a CPU whose cores the ranks' compute takes, the cores its communication threads take;
-  on a GPU 0) is paid where the engine launches it: a unit's gathers in forward, its regathers and reductions in
-  backward, the refresh after the optimizer step.
-- **compute**: each unit's traced work of one micro-batch (budget/predicted/compute_trace.py) at a rate
-  (budget/predicted/compute_rate.py): forward = FLOPs / FLOP/s + memory-bound bytes / bandwidth + kernels x cost
-  per kernel; backward from the forward's work (compute_trace.py's ``Work.backward``: 2 x the FLOPs, the bytes
-  once, 2 x the kernels; + one more forward of its checkpointed modules under activation checkpointing). The
-  root's forward runs before the units (its ``lead``: embeddings) and after them (head, loss); its backward in
-  the reverse order.
-- **optimizer**: the bytes the optimizer's own kernels read and write in one step over this rank's 1-D masters
-  (traced: its class stepped on fakes) + the fp32 gradient copies and the compute shards' refresh under mixed
-  precision, at the memory bandwidth, + each kernel's cost.
-- ``data``: 0 unless given; ``waiting_for_ranks``: 0 (the ranks are taken to be equal).
+and by collective kind its seconds on the wire, ``exposed``, ``hidden`` and ``in_flight`` (launch to end, queued
+behind others included: what a clock at the engine's seams sees, budget/measured/). The played step is kept as the
+timeline picture's events (``timeline``), so one model serves the run's prediction, the plan and the picture
+(budget/timeline_picture.py). How each part is priced (docs/budget.md, "The time per step"): a collective at its
+link's ring bound, one call per flat parameter sized as ``predict_traffic`` counts it, gathers and reduce-scatters
+inside the shard group, all-reduces across replicas, each call's launch paid by compute where the engine launches
+it; compute from each unit's traced work (compute_trace.py) at a rate (compute_rate.py), the root's ``lead``
+(embeddings) before the units and its backward last; the optimizer's traced kernels at memory bandwidth; ``data``
+0 unless given, ``waiting_for_ranks`` 0 (the ranks are taken to be equal).
 
 The schedule, per micro-batch (``micro_batches`` of them per optimizer step; forward order = the units' order):
 
 - stage 3, forward: the first unit's all-gather is launched as the step begins and the root's is waited for at once
   (both exposed); at unit k's pre-forward its gather is waited for and unit k+1's launched (prefetch), so unit k+1's
-  gather is exposed by max(0, gather(k+1) - compute(k)) when nothing else is queued. The unit that runs forward
-  last stays gathered for backward; with ``reshard_after_forward=False`` every unit does; with k its backward
-  gather runs in the reshard group of k ranks (a ring of k).
+  gather is exposed by max(0, gather(k+1) - compute(k)) when nothing else is queued. The unit that runs forward last
+  stays gathered for backward; with ``reshard_after_forward=False`` every unit does; with k its backward gather runs
+  in the reshard group of k ranks (a ring of k).
 - stage 3, backward: at unit k's pre-backward its gather is waited for and unit k-1's launched; at its post-backward
   the reduce-scatter in flight (unit k+1's) is waited for (``MAX_REDUCTIONS_IN_FLIGHT`` = 1; hybrid: its all-reduce
-  across replicas is launched then) and unit k's launched, so it flies while unit k-1 computes. At the end of
-  backward the root's reduce-scatter is launched and every reduction waited for (the last one exposed).
+  across replicas is launched then) and unit k's launched. At the end of backward the root's reduce-scatter is
+  launched and every reduction waited for (the last one exposed).
 - stage 2: parameters resident (no gathers); the same reduce-scatters per unit during backward. Stage 1: every
   reduce-scatter at the end of backward, all in flight at once, all exposed. Both: after the optimizer step every
   trained flat parameter is all-gathered again from the new shards and waited for (``refresh``: exposed).
 - gradient accumulation: each micro-batch gathers again; with ``accumulation="reduce"`` each reduces, with
   ``"defer"`` only the last.
 
-What it leaves out: the small collectives (the agreement on unused parameters, clipping's norm, metrics), the
-all-to-alls of whole-tensor optimizers, offload's host transfers, kernels that run beside a collective slowing
-each other (they share memory bandwidth and, on a GPU, streaming multiprocessors), and ranks that differ (a slower
-rank makes the others wait: ``waiting_for_ranks`` measured, never predicted). Backward as 2 x the FLOPs undercounts
-attention's backward (2.5 x) and counts an embedding's as memory-bound.
+What it leaves out: the small collectives (unused-parameter agreement, clipping's norm, metrics), the all-to-alls of
+whole-tensor optimizers, offload's host transfers, kernels slowing each other beside a collective (memory bandwidth,
+a GPU's multiprocessors), and ranks that differ (``waiting_for_ranks`` measured, never predicted). Backward as 2 x
+the FLOPs undercounts attention's (2.5 x) and counts an embedding's as memory-bound.
 """
 
 from __future__ import annotations
@@ -75,7 +54,7 @@ from lightning_shardlab.budget.predicted.compute_trace import (
     UnitWork,
     Work,
 )
-from lightning_shardlab.budget.predicted.zero_table import Interconnect, Traffic
+from lightning_shardlab.budget.predicted.zero_table import Interconnect
 from lightning_shardlab.core.config import Accumulation, PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.sharded_model import MAX_REDUCTIONS_IN_FLIGHT
@@ -333,11 +312,9 @@ def _result(
 
 
 def _kind(line: Timeline, kind: str) -> dict[str, float]:
-    """One collective kind per step: its seconds on the wire, the part compute waited for, its calls' seconds in
-    flight before their waits (hidden: as the measured side counts it, budget/measured/step_time.py) and from launch
-    to end (``in_flight`` = hidden + exposed: queued behind others too, as a clock at the seams sees it), and from
-    launch to the end of its wait (``to_wait``: what the seams see of a call whose works say they are done only when
-    waited for, as gloo's point-to-point ones: budget/measured/step_time.py)."""
+    """One collective kind per step, as budget/measured/step_time.py counts it: on the wire, exposed, hidden (in
+    flight before the waits), ``in_flight`` (hidden + exposed), and ``to_wait`` (launch to the end of its wait: what
+    the seams see of a call whose works say they are done only when waited for, as gloo's point-to-point ones)."""
     return {
         "seconds": line.wire[kind],
         "exposed": line.exposed.get(kind, 0.0),
@@ -345,23 +322,6 @@ def _kind(line: Timeline, kind: str) -> dict[str, float]:
         "in_flight": line.in_flight[kind],
         "to_wait": line.to_wait.get(kind, 0.0),
     }
-
-
-def traffic_seconds(traffic: Traffic, group: int, links: Links) -> dict[str, dict[str, float]]:
-    """Without compute (a parameter count, or no traced micro-batch): each kind's seconds on the wire, the ring lower
-    bound over its calls (``Plan.traffic``), none known to be hidden."""
-    out = {}
-    for kind in ("all_gather", "reduce_scatter"):
-        inside = links.intra.ring_seconds(
-            traffic.scope_bytes("world", "shard", kind=kind), group, traffic.scope_calls("world", "shard", kind=kind)
-        )
-        if links.reshard_size:
-            reshard = (traffic.scope_bytes("reshard", kind=kind), traffic.scope_calls("reshard", kind=kind))
-            inside += links.intra.ring_seconds(reshard[0], links.reshard_size, reshard[1])
-        out[kind] = inside
-    calls, nbytes = traffic.scope_calls("replica"), traffic.scope_bytes("replica")
-    out["all_reduce"] = links.inter.all_reduce_seconds(nbytes, links.replicas, calls) if calls else 0.0
-    return {kind: {"seconds": s, "exposed": None} for kind, s in out.items() if s > 0}  # type: ignore[misc]
 
 
 def basis(rate: ComputeRate, links: Links, micro_batches: int, precision: str, optimizer: str) -> dict[str, Any]:

@@ -1,19 +1,14 @@
 """The step's peak, moment by moment: one micro-batch's forward and backward under fake tensors, on the engine's
 own schedule.
 
-Adding up a step's parts (state + gathered + activations) counts them as if all were live at one moment; they are
-not: the root's saved tensors (the logits) are freed early in backward, a block's go as its backward runs, and the
-gathered units change from one unit to the next. ``step_timeline`` runs the step instead and adds up, after every
-op, what is live: **traced**, every storage an op made and nobody has freed yet (``LiveStorages``: the batch, what
-autograd saves, temporaries, gradients, a checkpointed module's recomputation); and what **the engine** holds then
-(``EngineStandIn``): the gathered units (stage 3) and each flat gradient whose reduce-scatter is in flight.
-
-The stand-in receives the events of the very hooks the engine installs (sharding/hooks.py) and takes ShardedModel's
-decisions on units of bytes (sharding/sharded_model.py): the root held for the step, each unit gathered with the
-next one prefetched, one reduction in flight (stage 1: all, until the end of backward). On gloo the verified wire's
-receive rooms (``Wire.receive_room``) count from a call's launch until its wait; NCCL, and a plan, post none. The CPU
-RNG state torch's checkpoint keeps per checkpointed module is added by hand. The step's peak is the device's model
-state + the largest of these moments or of the optimizer's step (budget/predicted/optimizer_peak.py).
+Adding up a step's parts (state + gathered + activations) counts them as if all were live at once; they are not: the
+logits are freed early in backward, a block's saved tensors go as its backward runs, the gathered units change from
+unit to unit. So ``step_timeline`` runs the step and sums, after every op, what is live: **traced** storages not yet
+freed (``LiveStorages``: batch, saved tensors, temporaries, gradients, recomputations), and what **the engine** holds
+(``EngineStandIn``: gathered units, flat gradients whose reduce-scatter flies). The stand-in receives the very hooks
+the engine installs (sharding/hooks.py) and takes ShardedModel's decisions on units of bytes. On gloo the wire's
+receive rooms (``Wire.receive_room``) count from launch to wait; NCCL, and a plan, post none. torch's checkpoint keeps
+a CPU RNG state per checkpointed module, added by hand.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ class Traffic:
     reduce_scatter_bytes: int = 0
     by_scope: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     all_to_all_calls: float = 0  # whole-tensor optimizers' exchanges (budget/predicted/whole_tensor.py): the bytes one
-    all_to_all_bytes: float = 0  # rank sends (a plan: the busiest rank's, budget/predicted/plan_whole.py)
+    all_to_all_bytes: float = 0  # rank sends (a plan: the busiest rank's, budget/predicted/whole_tensor.py)
 
     @property
     def bytes(self) -> int:
@@ -192,15 +192,12 @@ def predict_traffic(
     gather_packing: Packing | None = None,
     reduce_packing: Packing | None = None,
 ) -> Traffic:
-    """Per optimizer step, in the steady state, for a shard group of the layouts' world size among
-    ``replicas`` such groups. Stage 3: all-gather each unit before forward and again before backward (the
-    root, and the unit that runs forward last, once per micro-batch), reduce-scatter its gradient. Stages
-    1-2: reduce-scatter, then all-gather the updated shards after the step. Counts the full tensor of each
-    call, the size torch's collectives are given. Hybrid (``replicas`` > 1): each reduction's shard is then
-    all-reduced across the replica group (shard_numel elements). ``reshard_size`` k: the backward all-gathers
-    run inside reshard groups of k ranks (the same full tensor). Packed calls (``gather_dtype``, ``reduce_dtype``
-    'bf16' / 'fp16' / 'int8': comm/packing.py) count their packed bytes, W payloads of a shard each; a packed
-    reduction's shard is fp32 (summed there), and so is its all-reduce across replicas."""
+    """Per optimizer step, in the steady state, for a shard group of the layouts' world size among ``replicas``
+    such groups: each flat parameter's all-gathers (``_gathers``) and reduce-scatter, and hybrid, the all-reduce of
+    its gradient shard across replicas, filed by scope (``Traffic``). Counts the full tensor of each call, the size
+    torch's collectives are given. Packed calls (``gather_dtype``, ``reduce_dtype`` 'bf16' / 'fp16' / 'int8':
+    comm/packing.py) count their packed bytes, W payloads of a shard each; a packed reduction's shard is fp32
+    (summed there), and so is its all-reduce across replicas."""
     by_scope: dict[str, dict[str, list[int]]] = {}
     group = "shard" if replicas > 1 else "world"
     backward_scope = "reshard" if reshard_size is not None and stage is Stage.PARAMETERS else group
