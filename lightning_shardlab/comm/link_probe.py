@@ -52,26 +52,24 @@ def _batch(comm: Comm, shard: torch.Tensor, fulls: list[torch.Tensor], aligned: 
     return time.perf_counter() - started
 
 
-def _busy_loop(comm: Comm, work: torch.Tensor, chunk: int, with_calls: bool) -> tuple[float, float, float]:
+def _busy_loop(comm: Comm, work: torch.Tensor, chunk: int, with_calls: bool) -> tuple[float, float]:
     """``BUSY_CALLS`` chunks of compute, each with (``with_calls``) a small all-gather launched before it and waited
-    for after it, the ranks starting together: (seconds in all, in launches, in waits)."""
+    for after it, the ranks starting together: (seconds in all, seconds in waits)."""
     shard = torch.zeros(BUSY_BYTES // 4, device=comm.device)
     full = torch.empty(BUSY_BYTES // 4 * comm.world_size, device=comm.device)
     collectives.barrier(comm, label="link probe")
-    launching = waiting = 0.0
-    started = time.perf_counter()
+    waiting, started = 0.0, time.perf_counter()
     for _ in range(BUSY_CALLS):
-        call, at = None, time.perf_counter()
+        call = None
         if with_calls:
             call = collectives.all_gather(full, shard, comm, label="link probe", kind="budget", async_op=True)
-        launching += time.perf_counter() - at
         for _ in range(chunk):
             work @ work
         at = time.perf_counter()
         if call is not None:
             call.wait()
         waiting += time.perf_counter() - at
-    return time.perf_counter() - started, launching, waiting
+    return time.perf_counter() - started, waiting
 
 
 def time_busy_call(comm: Comm, repeats: int) -> tuple[float, float]:
@@ -87,7 +85,7 @@ def time_busy_call(comm: Comm, repeats: int) -> tuple[float, float]:
     _busy_loop(comm, work, chunk, True)  # warms the path up
     compute, blocked = [], []
     for _ in range(repeats):
-        (calls, launching, waiting), (alone, _, _) = (_busy_loop(comm, work, chunk, c) for c in (True, False))
+        (calls, waiting), (alone, _) = (_busy_loop(comm, work, chunk, c) for c in (True, False))
         compute.append(calls - waiting - alone)
         blocked.append(waiting)
     return tuple(max(statistics.median(v) / BUSY_CALLS, 0.0) for v in (compute, blocked))  # type: ignore[return-value]
