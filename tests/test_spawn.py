@@ -406,8 +406,9 @@ def test_the_notebook_fine_tunes_and_generates_headless(tmp_path: Path, monkeypa
     """examples/notebook.ipynb in a real kernel (nbclient), at its tiny sizes: the fit forks 2 ranks from the
     kernel, rank 0's budget tables appear in the fit's cell, the timeline picture inline, the dashboard linked, and
     the next cell generates from the whole weights in the kernel."""
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    why = "the notebook runs in a kernel: nbformat and nbclient come with the test extra (pip install -e '.[test]')"
+    nbformat = pytest.importorskip("nbformat", reason=why)
+    nbclient = pytest.importorskip("nbclient", reason=why)
     for name, value in (("SHARDLAB_NOTEBOOK_QUICK", "1"), ("SHARDLAB_NOTEBOOK_RUNS", str(tmp_path))):
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
