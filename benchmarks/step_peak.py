@@ -9,7 +9,7 @@ steps per configuration, ``ShardLabBudget(step_peak=True)``: measured on the fir
 allocation and free the step makes), predicted from the first batch run under fake tensors on the engine's schedule
 and the optimizers' step on fakes of this rank's masters (budget/predicted/step_timeline.py,
 budget/predicted/optimizer_peak.py, budget/predicted/step_peak.py). Beside them, the plan's step peak for the same
-model and shape (budget/predicted/fits.py: the same timeline without gloo's receive rooms, as ``shardlab plan
+model and shape (budget/predicted/setting.py: the same timeline without gloo's receive rooms, as ``shardlab plan
 --micro-batch-size B
 --seq-len T`` prints it). Models: the example GPT and a Hugging Face Llama
 built from its config (4 layers each, one unit per block).
@@ -66,14 +66,16 @@ def build(name: str) -> tuple[L.LightningModule, type]:
 
 
 def planned_peak(name: str, strategy: ShardLabStrategy, b: int, t: int, world: int, precision: str) -> float:
-    from lightning_shardlab.budget.predicted.fits import Setting, step_peak
+    from lightning_shardlab.budget.predicted.compute_rate import ComputeRate
     from lightning_shardlab.budget.predicted.plan import plan_model
+    from lightning_shardlab.budget.predicted.setting import Setting
     from lightning_shardlab.budget.predicted.zero_table import INTERCONNECTS
 
     link = INTERCONNECTS["nvlink"]  # no memory figure depends on it
-    setting = Setting(build(name)[0], strategy.config, world, precision, "adamw", link, link, name, b, t)
+    rate = ComputeRate("given", 1e12, 1e12)  # nor on the rate
+    setting = Setting(build(name)[0], strategy.config, world, precision, "adamw", link, link, name, b, t, rate)
     plan = plan_model(setting.model, strategy.config, world, precision, "adamw", link, name)
-    return step_peak(setting, plan).total
+    return setting.peak(plan).total
 
 
 def measure(configs: list[tuple], directory: str, devices: int = 2) -> list[dict[str, Any]]:

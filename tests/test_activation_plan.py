@@ -15,8 +15,9 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_shardlab.budget.predicted import fits
+from lightning_shardlab.budget.predicted import changes
 from lightning_shardlab.budget.predicted.activation_trace import trace_activations, unit_members
+from lightning_shardlab.budget.predicted.setting import Setting
 from lightning_shardlab.cli import plan as plan_command
 from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.examples.gpt import GPT
@@ -262,13 +263,13 @@ def test_the_cheapest_change_that_fits_is_chosen_its_own_plan_fits_and_every_kin
     kind of change is chosen somewhere (the rule is exercised, not one answer).
 
     Each setting is planned by the command once (at 1 byte: every candidate's peak); the verdict at each limit is the
-    one the command gives there (``fits.verdict`` on that plan and its setting: the command's own verdict at 1 byte
+    one the command gives there (``changes.verdict`` on that plan and its setting: the command's own verdict at 1 byte
     is checked to be exactly it), and the plan with the choice applied is a fresh run of the command."""
-    made: list[tuple[Any, fits.Setting]] = []
+    made: list[tuple[Any, Setting]] = []
 
-    def keep(plan: Any, setting: fits.Setting, device_memory: float | None) -> Any:
+    def keep(plan: Any, setting: Setting, device_memory: float | None) -> Any:
         made.append((plan, setting))
-        return fits.add_activations(plan, setting, device_memory)
+        return changes.add_activations(plan, setting, device_memory)
 
     kinds = set()
     for argv in SETTINGS:
@@ -277,11 +278,11 @@ def test_the_cheapest_change_that_fits_is_chosen_its_own_plan_fits_and_every_kin
             planned = gpt_plan(*argv, *memory(1))  # nothing fits 1 byte: every candidate's peak
         [(base, setting)] = made
         made.clear()
-        assert fits.verdict(setting, base, 1).fields() == planned.fit, argv  # the command's verdict, as called here
+        assert changes.verdict(setting, base, 1) == planned.fit, argv  # the command's verdict, as called here
         tried = planned.fit["candidates"]
         assert tried, argv
         for limit in sorted({c["peak"]["total"] for c in tried}):
-            fit = fits.verdict(setting, base, limit).fields()
+            fit = changes.verdict(setting, base, limit)
             choice = next(c for c in fit["candidates"] if c["name"] == fit["choice"])
             kinds.add(choice["name"].split(" ")[0])
             assert choice["fits"] and choice["peak"]["total"] <= limit, (argv, choice)

@@ -138,8 +138,8 @@ def test_shardlab_plan_predicts_the_step_the_run_predicts_for_itself(results: li
 
     import yaml
 
+    from lightning_shardlab.budget.predicted.changes import plan_time
     from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, EngineCost
-    from lightning_shardlab.budget.predicted.plan_time import plan_time
     from lightning_shardlab.budget.predicted.zero_table import Interconnect
     from lightning_shardlab.cli.plan import parser, plan_and_setting
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_shardlab.budget.predicted import changes
+from lightning_shardlab.budget.predicted.changes import plan_time
 from lightning_shardlab.budget.predicted.clocks import Timeline
 from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, EngineCost
 from lightning_shardlab.budget.predicted.compute_trace import (
@@ -22,8 +24,8 @@ from lightning_shardlab.budget.predicted.compute_trace import (
     unit_flops_for_batch,
 )
 from lightning_shardlab.budget.predicted.plan import plan_model
-from lightning_shardlab.budget.predicted.plan_time import TimedSetting, plan_time
 from lightning_shardlab.budget.predicted.run_time import time_predicted_for_run
+from lightning_shardlab.budget.predicted.setting import Setting
 from lightning_shardlab.budget.predicted.step_time import PARTS, Links, predict_step_time
 from lightning_shardlab.budget.predicted.zero_table import INTERCONNECTS, Interconnect
 from lightning_shardlab.cli.plan import main
@@ -45,11 +47,11 @@ def gpt() -> nn.Module:
         return GPT(**INIT)
 
 
-def setting(link: str = "10gbe", rate: ComputeRate = RATE, world_size: int = 2, **options: Any) -> TimedSetting:
+def setting(link: str = "10gbe", rate: ComputeRate = RATE, world_size: int = 2, **options: Any) -> Setting:
     config = ShardLabConfig(**{**ONE_UNIT_PER_BLOCK, **options})
     inter = INTERCONNECTS[link]
-    timed = TimedSetting(gpt(), config, world_size, "32-true", "adamw", inter, inter, rate, 2, 32)
-    timed.traces[2] = _trace(config.activation_checkpointing)
+    timed = Setting(gpt(), config, world_size, "32-true", "adamw", inter, inter, "gpt", 2, 32, rate)
+    timed.traces["compute", 2, bool(config.activation_checkpointing)] = _trace(config.activation_checkpointing)
     return timed
 
 
@@ -233,7 +235,7 @@ def test_the_runs_first_batch_traces_as_the_plans_micro_batch() -> None:
     assert run.by_unit["root"].lead.bytes > 0 and run.by_unit["root"].lead.flops == 0  # the embeddings
 
 
-def _stand_in(timed: TimedSetting) -> Any:
+def _stand_in(timed: Setting) -> Any:
     """What ``time_predicted_for_run`` reads of a ShardedModel, for a plain world of 2 (no processes)."""
     units = plan_units(gpt(), timed.config, 2).layouts()
     flat = [
@@ -271,6 +273,32 @@ def test_a_slower_link_makes_the_cheapest_change_appear() -> None:
     offered = [c for c in slow["changes"] if c["available"]]
     assert choice["step"] == min(c["step"] for c in offered)
     assert any(not c["available"] for c in slow["changes"])  # prefetching further: shown, never chosen
+
+
+def test_a_change_that_fits_costs_what_the_time_model_plays_for_it() -> None:
+    """Each change the fit rule tries is priced by the step played with it (step_time.py), not by a rule of its own:
+    checkpointing adds its recomputation, a smaller micro-batch its repeated collectives, offload its host transfers
+    on top."""
+    timed = setting("10gbe", RATE, stage=Stage(1))
+    base, now = timed.plan(), timed.predict()
+
+    def added(name: str, options: dict[str, Any], **how: Any) -> float:
+        made = changes.made(timed, base, changes.Try(name, options, **how), now["step"])
+        assert made is not None
+        return made.added_seconds
+
+    recompute = timed.predict(activation_checkpointing=True)
+    assert recompute["backward"] > now["backward"]  # the checkpointed blocks' forward again
+    assert added("activation_checkpointing", {"activation_checkpointing": True}) == pytest.approx(
+        recompute["step"] - now["step"]
+    )
+    smaller = added("micro-batch 1 x 2", {"micro_batch_size": 1, "accumulate_grad_batches": 2}, micro_batch_size=1,
+                    micro_batches=2)  # fmt: skip
+    assert smaller == pytest.approx(timed.predict(1, 2)["step"] - now["step"]) and smaller > 0
+    host = timed.plan(offload="cpu").tier_seconds
+    assert host > 0 and added("offload cpu", {"offload": "cpu"}) == pytest.approx(
+        timed.predict(offload="cpu")["step"] - now["step"] + host
+    )
 
 
 def test_the_plan_command_prints_the_time_per_step_for_10gbe(capsys: pytest.CaptureFixture) -> None:

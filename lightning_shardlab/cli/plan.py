@@ -25,9 +25,9 @@ the plan then shows what lives in each tier, what moves to and from it per step 
 ``--micro-batch-size B --seq-len T`` (with ``--model`` or ``--config``) traces one micro-batch of the model under
 fake tensors (budget/predicted/activation_trace.py: nothing allocated, a 7B-shaped model in seconds) and adds what
 autograd saves for backward, by unit, and the step peak per rank: model state + gathered units + activations (+ the
-largest recomputation with ``--activation-checkpointing``). With ``--device-memory`` it says whether that peak fits and,
-when not, the cheapest change that makes it fit (budget/predicted/fits.py: a higher stage, activation checkpointing, a
-smaller micro-batch with gradient accumulation, offload, a larger shard group):
+largest recomputation with ``--activation-checkpointing``). With ``--device-memory`` it says whether that peak fits
+and, when not, the change that makes it fit at the shortest step (budget/predicted/changes.py: a higher stage,
+activation checkpointing, a smaller micro-batch with gradient accumulation, offload, a larger shard group):
 
     shardlab plan --model transformers.LlamaForCausalLM --init-args '{"num_hidden_layers": 32}' --world-size 8 \\
         --micro-batch-size 4 --seq-len 4096 --device-memory 80GB
@@ -36,7 +36,7 @@ With a traced micro-batch it also prints the time per optimizer step (budget/pre
 backward, optimizer, communication exposed and hidden, by collective kind, on the engine's schedule over the plan's
 links, compute at ``--device`` x ``--mfu`` (default h100 x 0.4), ``--flops`` FLOP/s given, or ``--flops here``
 (measured on this machine); ``--accumulate-grad-batches M`` micro-batches per step. When communication is exposed,
-the cheapest change that hides it (budget/predicted/plan_time.py: stage, shard group, resharding, micro-batch).
+the cheapest change that hides it (budget/predicted/changes.py: stage, shard group, resharding, micro-batch).
 From ``--params`` alone it prints each collective's time on the wire, and says compute needs a model.
 
     shardlab plan --model lightning_shardlab.examples.gpt.GPT --init-args '{"block_size": 1024}' --world-size 8 \\
@@ -66,6 +66,7 @@ from rich.console import Console
 
 from lightning_shardlab.budget.measured.tiers import LINKS
 from lightning_shardlab.budget.predicted.activation_trace import CONVERTED
+from lightning_shardlab.budget.predicted.changes import add_activations, plan_time
 from lightning_shardlab.budget.predicted.compute_rate import (
     MEMORY_BANDWIDTH,
     ComputeRate,
@@ -74,10 +75,9 @@ from lightning_shardlab.budget.predicted.compute_rate import (
     sharing_cores,
 )
 from lightning_shardlab.budget.predicted.engine_cost import with_engine_cost
-from lightning_shardlab.budget.predicted.fits import Setting, add_activations
 from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, plan_model, plan_params
-from lightning_shardlab.budget.predicted.plan_time import TimedSetting, plan_time
 from lightning_shardlab.budget.predicted.run_time import local_link
+from lightning_shardlab.budget.predicted.setting import Setting
 from lightning_shardlab.budget.predicted.zero_table import DEVICES, INTERCONNECTS, Interconnect, Traffic
 from lightning_shardlab.cli.plan_tables import print_plan, print_time
 from lightning_shardlab.core.config import ShardLabConfig, import_path
@@ -229,10 +229,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
     return plan_and_setting(args)[0]
 
 
-def plan_and_setting(args: argparse.Namespace) -> tuple[Plan, TimedSetting | None]:
+def plan_and_setting(args: argparse.Namespace) -> tuple[Plan, Setting | None]:
     """The plan, and with a model and a micro-batch what its time per step is made from (nothing traced yet)."""
     _check_micro_batch(args)
-    intra, inter, timed = *_links(args), None
+    intra, inter, setting = *_links(args), None
     if args.params is not None:
         config = _strategy_options({"stage": 3}, args)
         precision = args.precision or "bf16-mixed"
@@ -263,30 +263,24 @@ def plan_and_setting(args: argparse.Namespace) -> tuple[Plan, TimedSetting | Non
             device_memory=args.device_memory,
         )
         if args.micro_batch_size is not None:
+            rate = preset_rate(args.device or "h100", args.mfu, None if args.flops == "here" else args.flops)
             setting = Setting(
                 model, config, args.world_size, precision, args.optimizer, intra, inter, class_path,
-                args.micro_batch_size, args.seq_len, args.ranks_per_node, args.tier_link, args.device or "h100",
-                args.mfu,
+                args.micro_batch_size, args.seq_len, rate, args.accumulate_grad_batches, args.ranks_per_node,
+                args.tier_link, args.data_seconds,
             )  # fmt: skip
+            if args.flops == "here":  # measured as a run of the plan measures them for itself
+                setting.rate, setting.link_share = rate_here(setting, _local_ranks(args, setting))
             plan = add_activations(plan, setting, args.device_memory)
-            rate = preset_rate(args.device or "h100", args.mfu, None if args.flops == "here" else args.flops)
-            timed = TimedSetting(
-                model, config, args.world_size, precision, args.optimizer, intra, inter, rate, args.micro_batch_size,
-                args.seq_len, args.accumulate_grad_batches, args.ranks_per_node, args.data_seconds,
-            )  # fmt: skip
     if args.tokens_per_step and args.device:
         per_rank_tokens = args.tokens_per_step / args.world_size
         plan.compute_seconds = 6 * plan.params * per_rank_tokens / (DEVICES[args.device] * args.mfu)
-    return plan, timed
+    return plan, setting
 
 
-def make_time(args: argparse.Namespace, plan: Plan, timed: TimedSetting | None) -> dict[str, Any]:
-    """The time per step (budget/predicted/plan_time.py), or without a traced model each collective's time."""
-    if timed is None:
-        return comm_only_time(plan, *_links(args))
-    if args.flops == "here":
-        timed.rate, timed.link_share = rate_here(timed, _local_ranks(args, timed))
-    return plan_time(timed)
+def make_time(args: argparse.Namespace, plan: Plan, setting: Setting | None) -> dict[str, Any]:
+    """The time per step (budget/predicted/changes.py), or without a traced model each collective's time."""
+    return comm_only_time(plan, *_links(args)) if setting is None else plan_time(setting)
 
 
 def preset_rate(device: str, mfu: float = 0.4, flops: float | None = None) -> ComputeRate:
@@ -325,29 +319,29 @@ def comm_only_time(plan: Plan, intra: Interconnect, inter: Interconnect) -> dict
     }
 
 
-def _local_ranks(args: argparse.Namespace, timed: TimedSetting) -> int:
+def _local_ranks(args: argparse.Namespace, setting: Setting) -> int:
     """The ranks the plan puts on this machine: all of them when every link is ``local``, else one node's."""
     local = {args.intra or args.interconnect, args.inter or args.interconnect} == {"local"}
-    return timed.world_size if local else args.ranks_per_node or 1
+    return setting.world_size if local else args.ranks_per_node or 1
 
 
-def rate_here(timed: TimedSetting, ranks_here: int) -> tuple[ComputeRate, float]:
+def rate_here(setting: Setting, ranks_here: int) -> tuple[ComputeRate, float]:
     """(the rate, the links' share) measured here as a run of the plan measures them for itself (budget/callback.py,
     run_time.py): the model's matmuls, a kernel's costs and the engine's work at the plan's stage, shared by the
     ``ranks_here`` ranks of this machine, and what their compute leaves the links."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = COMPUTE[timed.precision] or CONVERTED.get(timed.precision, torch.float32)
-    traced = timed.compute()
+    dtype = COMPUTE[setting.precision] or CONVERTED.get(setting.precision, torch.float32)
+    traced = setting.compute()
     measured = measure_rate(device, dtype, traced.matmuls, traced.memory_ops, traced.flop_ops)
-    rate = with_engine_cost(measured, timed.config.stage)
+    rate = with_engine_cost(measured, setting.config.stage)
     return sharing_cores(rate, ranks_here), link_share(device.type, ranks_here)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     try:
-        plan, timed = plan_and_setting(args)
-        time = make_time(args, plan, timed)
+        plan, setting = plan_and_setting(args)
+        time = make_time(args, plan, setting)
     except ValueError as err:
         sys.exit(f"shardlab plan: error: {err}")
     if args.json:

@@ -138,7 +138,7 @@ def print_fit(plan: Plan, console: Console) -> None:
     if plan.fit is None or plan.fit["fits"]:
         return
     table = Table(title=f"changes that fit the step in {_gb(plan.fit['device_memory'])} (cheapest first)")
-    for col in ("change", "step peak", "fits", "added per step >=", "cost"):
+    for col in ("change", "step peak", "fits", "added per step", "cost"):
         table.add_column(col, justify="left" if col in ("change", "cost") else "right")
     ordered = sorted(plan.fit["candidates"], key=lambda c: (not c["fits"], c["added_seconds"]))
     for c in ordered:
@@ -187,14 +187,14 @@ def print_time(time: dict[str, Any], console: Console) -> None:
     console.print(basis_line(time), soft_wrap=True)
     if "changes" in time:
         title = f"changes that hide communication ({_ms(time['comm_exposed'])} exposed of {_ms(time['step'])})"
-        _rows_table(console, title, ("change", "step", "comm exposed", "vs now", "note"), change_rows(time))
+        _rows_table(console, title, ("change", "step", "comm exposed", "vs now", "cost"), change_rows(time))
         console.print(choice_line(time), soft_wrap=True)
 
 
 def _rows_table(console: Console, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
     table = Table(title=title)
     for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i == 0 or col == "note" else "right")
+        table.add_column(col, justify="left" if i == 0 or col == "cost" else "right")
     for row in rows:
         table.add_row(*row)
     print_table(console, table)
@@ -226,11 +226,11 @@ def basis_line(time: dict[str, Any]) -> str:
 
 
 def change_rows(time: dict[str, Any]) -> list[tuple[str, ...]]:
-    """(change, step, comm exposed, vs now, note) rows, fastest first, the chosen one marked."""
+    """(change, step, comm exposed, vs now, cost) rows, fastest first, the chosen one marked."""
     choice = (time.get("choice") or {}).get("name")
     return [
         (c["name"] + (" (chosen)" if c["name"] == choice else ""), _ms(c["step"]), _ms(c["comm_exposed"]),
-         f"{(c['step'] - time['step']) * 1e3:+,.1f} ms", c["note"])
+         f"{(c['step'] - time['step']) * 1e3:+,.1f} ms", c["cost"])
         for c in time.get("changes", [])
     ]  # fmt: skip
 

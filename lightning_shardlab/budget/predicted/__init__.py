@@ -10,12 +10,12 @@ optimizer_peak.py  the optimizer step's temporaries: the run's own optimizers st
 step_peak.py     the step's peak predicted for the run: its layout's state + its first batch's timeline
 plan.py          the prediction for a run that has not happened: from a parameter count or a model's layout
 option_savings.py  the fewer-bytes options planned: each one's bytes per step and the link time it saves
-fits.py          the step's peak (state + the timeline's busiest moment): does it fit, and the cheapest change if not
 compute_trace.py one micro-batch's work by unit under fake tensors: FLOPs, memory-bound bytes, kernels; the optimizer's
 compute_rate.py  how fast a device works: given (a named device, --flops) or measured here (short probes, cached)
 engine_cost.py   the engine's own work per unit (its hooks), measured on a world of one beside the same blocks unsharded
 clocks.py        one compute stream and first-in-first-out links: the clocks a step is played on
 step_time.py     seconds per optimizer step: the engine's schedule played on one compute stream and its links
 run_time.py      the time predicted for a run: its layout, mesh and first batch (what ShardLabBudget calls)
-plan_time.py     a plan's time per step, and the cheapest change that hides its communication
+setting.py       a model planned under changes to its options: its plan, its step's peak and its time, each the same way
+changes.py       the cheapest single change: one that fits the step in device memory, or hides its communication
 """

@@ -9,7 +9,6 @@ owners and exchanges (budget/predicted/whole_tensor.py). ``shardlab plan`` reads
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +67,7 @@ class Plan:
     tier_seconds: float = 0.0  # lower bound for those moves on tier_link
     device_bytes: float = 0.0  # device-resident model state + gathered units at their peak
     device_memory: float | None = None  # --device-memory, bytes
-    fits: bool | None = None  # device_bytes fit; with a traced micro-batch, the step peak (budget/predicted/fits.py)
+    fits: bool | None = None  # device_bytes fit; with a traced micro-batch, the step peak (budget/predicted/changes.py)
     whole_tensor: dict[str, Any] | None = None  # a whole-tensor optimizer's owners (WholePlan.fields)
     activations: dict[str, Any] | None = None  # one micro-batch traced (ActivationTrace.fields, + checkpointing)
     step_peak: dict[str, Any] | None = None  # state + the step's busiest moment, bytes (fits.PlannedPeak)
@@ -330,30 +329,3 @@ def _memory(
 def plan_policy(precision: str, config: ShardLabConfig) -> PrecisionPolicy:
     """What a run in ``precision`` with ``config``'s ``reduce_dtype`` computes and reduces in."""
     return PrecisionPolicy(COMPUTE[precision], REDUCE_DTYPES[config.reduce_dtype] if config.reduce_dtype else None)
-
-
-@dataclass
-class PlannedModel:
-    """A model's plan under changes to its strategy options, laid out the same way for its step's peak (fits.py's
-    ``Setting``) and its time (plan_time.py's ``TimedSetting``), each of which adds what it needs (``per_node`` among
-    them: the ranks of one node)."""
-
-    model: torch.nn.Module
-    config: ShardLabConfig
-    world_size: int
-    precision: str
-    optimizer: str
-    intra: Interconnect  # the link inside shard groups
-    inter: Interconnect  # the link across them
-
-    def changed(self, **changes: Any) -> tuple[ShardLabConfig, int, int | None]:
-        """(the config with ``changes``, its shard group size, its reshard group size)."""
-        config = dataclasses.replace(self.config, **changes)
-        return config, *config.group_sizes(self.world_size, self.per_node or self.world_size)
-
-    def units(self, config: ShardLabConfig, group: int) -> dict[str, list[FlatParamLayout]]:
-        return plan_units(self.model, config, group).layouts()
-
-    def link_inside(self, group: int) -> Interconnect:
-        """The link inside a shard group of ``group`` ranks: ``inter`` once the group is larger than a node."""
-        return self.inter if group > (self.per_node or self.world_size) else self.intra
