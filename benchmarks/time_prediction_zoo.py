@@ -36,18 +36,24 @@ PARTS = ("forward", "backward", "optimizer", "data", "comm_exposed", "waiting_fo
 SECTION = "## The zoo"
 READING = """Reading it. Until 2026-12-06 (the model before three changes), 6 of 24 rows (2 ranks) were within
 0.75-1.33, the worst 4.55. Three changes moved them: a collective's cost to a rank that computes around it
-(comm/link_probe.py's busy loop, a small call with compute on either side against the same compute alone: 0.5-1 ms a
-call on gloo here, where the ranks take every core), charged as compute where the engine launches a call and as the
-latency a busy rank waits for; backward derived from the forward's work (2 x the FLOPs, the memory-bound bytes once,
-2 x the kernels) rather than 2 x the forward, which had HF GPT-2's and the conv net's backward at twice their time;
-convolutions and attention timed for the FLOP rate beside matmuls (the conv net's rate had been its 10-wide head's).
-What the rows still miss, from the largest: the exposed communication of the small models on 2 ranks, the rows whose
-step is mostly calls (HF Llama at stage 3, the tiny stack): the busy probe's cost per call moves up to 2x from one
-run to the next (two ranks and their communication threads time-sliced on two cores), which moves those rows by as
-much (HF Llama at stage 3 read 1.14 and 2.74 in two runs of this command, the tiny stack at stage 1 0.55 and 0.47);
-on 4 ranks, ``waiting_for_ranks`` (4 ranks on 2 cores: the model takes the ranks as equal and predicts none), which
-is most of what those rows miss; the forward of op-heavy models (HF Llama, the MoE) at 2-3x: Python between kernels,
-which no count of kernels prices."""
+(comm/link_probe.py's busy loop, a small call with compute on either side against the same compute alone), charged as
+compute where the engine launches a call and as the latency a busy rank waits for; backward derived from the
+forward's work (2 x the FLOPs, the memory-bound bytes once, 2 x the kernels) rather than 2 x the forward, which had HF
+GPT-2's and the conv net's backward at twice their time; convolutions and attention timed for the FLOP rate beside
+matmuls (the conv net's rate had been its 10-wide head's). This table ran with nothing else on the machine; the one
+before it, beside other work, also had 33 of 48 within, the worst at 2.74.
+What the rows still miss, from the largest, read from the parts of rank 0's reports (a separate run of the tiny stack and HF
+Llama on 2 ranks):
+- the busy probe's cost per call: from one fit to the next on this machine it read 0.4 to 3.5 ms of compute a call
+  (two ranks and their communication threads time-sliced on two cores: what a call costs depends on how long it is
+  pending beside compute, not on the call alone). At 3.5 ms, HF Llama at stage 1 had its optimizer part (the
+  refresh's launches) predicted at 14.6 ms against 2.5 measured; at 0.4 ms, its stage 3 row had exposed
+  communication under by 2x;
+- on 4 ranks, ``waiting_for_ranks`` (4 ranks on 2 cores: the model takes the ranks as equal and predicts none);
+- the forward of op-heavy models at stages 1-2 (HF Llama 11.5 ms against 4.3, the MoE and the tiny stack 2-3x):
+  Python between kernels (the model's own code, Lightning's loop around ``training_step``), which no count of
+  kernels prices. Timing a kernel's cost in forward and in backward apart was tried: on this machine both are
+  6 us, so the split changed nothing and was not kept."""
 
 
 def _token_module(body: Any, block: type, vocab: int, seq: int, batch: int) -> tuple[Any, type, Any]:
