@@ -42,8 +42,8 @@ forward's work (2 x the FLOPs, the memory-bound bytes once, 2 x the kernels) rat
 GPT-2's and the conv net's backward at twice their time; convolutions and attention timed for the FLOP rate beside
 matmuls (the conv net's rate had been its 10-wide head's). This table ran with nothing else on the machine; the one
 before it, beside other work, also had 33 of 48 within, the worst at 2.74.
-What the rows still miss, from the largest, read from the parts of rank 0's reports (a separate run of the tiny stack and HF
-Llama on 2 ranks):
+What the rows still miss, from the largest, read from the parts of rank 0's reports (a separate run of the tiny
+stack and HF Llama on 2 ranks):
 - the busy probe's cost per call: from one fit to the next on this machine it read 0.4 to 3.5 ms of compute a call
   (two ranks and their communication threads time-sliced on two cores: what a call costs depends on how long it is
   pending beside compute, not on the call alone). At 3.5 ms, HF Llama at stage 1 had its optimizer part (the
