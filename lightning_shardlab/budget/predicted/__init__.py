@@ -5,6 +5,7 @@ whole_tensor.py  whole-tensor optimizers (Muon, Adafactor): owned state and the 
 activation_prediction.py  activations predicted for the run: its first batch traced through a meta copy
 activation_trace.py  one micro-batch traced under fake tensors, with and without checkpointing
 step_stand_ins.py  what a traced training_step reads besides its batch (trainer, logs, metrics, .item()): stood in for
+engine_schedule.py  the engine's decisions on stand-in units (gathered, in flight, waited): the one schedule of both
 step_timeline.py the step's live bytes moment by moment: a fake forward and backward on the engine's own schedule
 optimizer_peak.py  the optimizer step's temporaries: the run's own optimizers stepped on fakes of its masters
 step_peak.py     the step's peak predicted for the run: its layout's state + its first batch's timeline

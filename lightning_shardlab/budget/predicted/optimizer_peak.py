@@ -21,7 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim import Optimizer
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
-from lightning_shardlab.budget.predicted.step_timeline import LiveStorages, Rooms, no_rooms
+from lightning_shardlab.budget.predicted.engine_schedule import Rooms, no_rooms
+from lightning_shardlab.budget.predicted.step_timeline import LiveStorages
 from lightning_shardlab.core.config import Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.optimizer import STATE_TENSORS

@@ -26,10 +26,11 @@ from lightning_shardlab.budget.predicted.compute_trace import (
     precision_copies,
     trace_plan_compute,
 )
+from lightning_shardlab.budget.predicted.engine_schedule import UnitBytes
 from lightning_shardlab.budget.predicted.optimizer_peak import planned_optimizer, planned_step_temporaries
 from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, plan_model, plan_policy
 from lightning_shardlab.budget.predicted.step_time import Links, basis, predict_step_time
-from lightning_shardlab.budget.predicted.step_timeline import PlannedPeak, StepTimeline, UnitBytes, step_timeline
+from lightning_shardlab.budget.predicted.step_timeline import PlannedPeak, StepTimeline, step_timeline
 from lightning_shardlab.budget.predicted.zero_table import Interconnect
 from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig
 from lightning_shardlab.sharding.flat_param import FlatParamLayout

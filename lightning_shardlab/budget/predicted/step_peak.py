@@ -14,13 +14,8 @@ from typing import Any
 from torch import nn
 
 from lightning_shardlab.budget.predicted.activation_trace import STEPS, fake_like
-from lightning_shardlab.budget.predicted.step_timeline import (
-    PlannedPeak,
-    StepTimeline,
-    UnitBytes,
-    no_rooms,
-    step_timeline,
-)
+from lightning_shardlab.budget.predicted.engine_schedule import UnitBytes, no_rooms
+from lightning_shardlab.budget.predicted.step_timeline import PlannedPeak, StepTimeline, step_timeline
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 

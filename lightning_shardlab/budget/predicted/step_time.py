@@ -17,22 +17,10 @@ it; compute from each unit's traced work (compute_trace.py) at a rate (compute_r
 (embeddings) before the units and its backward last; the optimizer's traced kernels at memory bandwidth; ``data``
 0 unless given, ``waiting_for_ranks`` 0 (the ranks are taken to be equal).
 
-The schedule, per micro-batch (``micro_batches`` of them per optimizer step; forward order = the units' order):
-
-- stage 3, forward: the first unit's all-gather is launched as the step begins and the root's is waited for at once
-  (both exposed); at unit k's pre-forward its gather is waited for and unit k+1's launched (prefetch), so unit k+1's
-  gather is exposed by max(0, gather(k+1) - compute(k)) when nothing else is queued. The unit that runs forward last
-  stays gathered for backward; with ``reshard_after_forward=False`` every unit does; with k its backward gather runs
-  in the reshard group of k ranks (a ring of k).
-- stage 3, backward: at unit k's pre-backward its gather is waited for and unit k-1's launched; at its post-backward
-  the reduce-scatter in flight (unit k+1's) is waited for (``MAX_REDUCTIONS_IN_FLIGHT`` = 1; hybrid: its all-reduce
-  across replicas is launched then) and unit k's launched. At the end of backward the root's reduce-scatter is
-  launched and every reduction waited for (the last one exposed).
-- stage 2: parameters resident (no gathers); the same reduce-scatters per unit during backward. Stage 1: every
-  reduce-scatter at the end of backward, all in flight at once, all exposed. Both: after the optimizer step every
-  trained flat parameter is all-gathered again from the new shards and waited for (``refresh``: exposed).
-- gradient accumulation: each micro-batch gathers again; with ``accumulation="reduce"`` each reduces, with
-  ``"defer"`` only the last.
+The schedule is the engine's (engine_schedule.py: the same stand-in the step's peak is counted on, its hooks called
+in the units' order), once per micro-batch (each gathers again; with ``accumulation="defer"`` only the last
+reduces); after the optimizer step, stages 1-2 all-gather every trained flat parameter from the new shards
+(``refresh``, waited for at once).
 
 What it leaves out: the small collectives (unused-parameter agreement, clipping's norm, metrics), the all-to-alls of
 whole-tensor optimizers, offload's host transfers, kernels slowing each other beside a collective (memory bandwidth,
@@ -54,10 +42,10 @@ from lightning_shardlab.budget.predicted.compute_trace import (
     UnitWork,
     Work,
 )
+from lightning_shardlab.budget.predicted.engine_schedule import Clock, EngineStandIn, Schedule, StandInUnit
 from lightning_shardlab.budget.predicted.zero_table import Interconnect
 from lightning_shardlab.core.config import Accumulation, PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
-from lightning_shardlab.sharding.sharded_model import MAX_REDUCTIONS_IN_FLIGHT
 
 PARTS = ("forward", "backward", "optimizer", "data", "comm_exposed", "waiting_for_ranks")  # they add up to the step
 INTRA, INTER = "intra", "inter"  # the link inside shard groups, the link across them
@@ -81,91 +69,51 @@ class UnitTimes:
     lead_backward: float = 0.0  # the root: the backward of its lead forward, the last of the step's backward
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """What decides the engine's order: the stage, resharding, accumulation, and how far gathers run ahead."""
+class Played(Clock):
+    """The schedule's calls (engine_schedule.py) on the links of ``line``, each unit's seconds from its ``UnitTimes``,
+    each launch paid by the compute stream."""
 
-    stage: Stage
-    reshard_after_forward: bool = True
-    defer: bool = False  # accumulation="defer": only the last micro-batch reduces
-    prefetch: int = 1  # units gathered ahead (the engine: 1)
+    def __init__(self, line: Timeline) -> None:
+        self.line = line
 
+    def gather(self, unit: StandInUnit, backward: bool) -> None:
+        t = unit.times
+        self.line.launch(("gather", t.name), "all_gather", INTRA, t.regather if backward else t.gather, t.launch)
 
-# ---- one micro-batch ----
+    def wait_gather(self, unit: StandInUnit) -> None:
+        self.line.wait(("gather", unit.name))
 
+    def reduce(self, unit: StandInUnit) -> None:
+        self.line.launch(("reduce", unit.name), "reduce_scatter", INTRA, unit.times.reduce, unit.times.launch)
 
-def _gather(line: Timeline, unit: UnitTimes, seconds: float, started: set[str]) -> None:
-    if unit.name not in started:
-        started.add(unit.name)
-        line.launch(("gather", unit.name), "all_gather", INTRA, seconds, unit.launch)
+    def wait_reduce(self, unit: StandInUnit) -> None:
+        t = unit.times
+        self.line.wait(("reduce", t.name))
+        self.line.launch(("across", t.name), "all_reduce", INTER, t.across, t.launch_across)
 
-
-def _forward(line: Timeline, root: UnitTimes, units: list[UnitTimes], plan: Schedule) -> None:
-    """The root held for the step; each unit gathered, the next ``prefetch`` launched behind it; stage 3 only."""
-    gathers, started = plan.stage is Stage.PARAMETERS, set()
-    if gathers:
-        for unit in units[: plan.prefetch]:
-            _gather(line, unit, unit.gather, started)
-        _gather(line, root, root.gather, started)
-        line.wait(("gather", ROOT))
-    line.compute(root.lead_forward, "forward", root.name)
-    for i, unit in enumerate(units):
-        if gathers:
-            _gather(line, unit, unit.gather, started)
-            line.wait(("gather", unit.name))
-            for ahead in units[i + 1 : i + 1 + plan.prefetch]:
-                _gather(line, ahead, ahead.gather, started)
-        line.compute(unit.forward, "forward", unit.name)
-    line.compute(root.forward - root.lead_forward, "forward", root.name)
+    def wait_across(self, unit: StandInUnit) -> None:
+        self.line.wait(("across", unit.name))
 
 
-def _reduce(line: Timeline, unit: UnitTimes, in_flight: list[UnitTimes], limit: int) -> None:
-    """Wait for the oldest reductions beyond ``limit`` (hybrid: launch their all-reduces), launch ``unit``'s."""
-    while len(in_flight) >= limit:
-        done = in_flight.pop(0)
-        line.wait(("reduce", done.name))
-        line.launch(("across", done.name), "all_reduce", INTER, done.across, done.launch_across)
-    if unit.reduce or unit.across:
-        line.launch(("reduce", unit.name), "reduce_scatter", INTRA, unit.reduce, unit.launch)
-        in_flight.append(unit)
-
-
-def _backward(line: Timeline, root: UnitTimes, units: list[UnitTimes], plan: Schedule, reduce: bool) -> None:
-    """Units in reverse; each gathered again unless it stayed gathered, the one before it prefetched; reductions
-    one in flight (stage 2-3) or all at the end (stage 1); at the end every reduction waited for."""
-    order, started, in_flight = units[::-1], set(), []
-    regathers = plan.stage is Stage.PARAMETERS and bool(plan.reshard_after_forward)
-    needs = {u.name: regathers and u is not units[-1] for u in units}
-    line.compute(root.backward - root.lead_backward, "backward", root.name)
-    for i, unit in enumerate(order):
-        if needs[unit.name]:
-            _gather(line, unit, unit.regather, started)
-            line.wait(("gather", unit.name))
-        for ahead in (u for u in order[i + 1 : i + 1 + plan.prefetch] if needs[u.name]):
-            _gather(line, ahead, ahead.regather, started)
-        line.compute(unit.backward, "backward", unit.name)
-        if reduce and plan.stage >= Stage.GRADIENTS:
-            _reduce(line, unit, in_flight, MAX_REDUCTIONS_IN_FLIGHT)
-    line.compute(root.lead_backward, "backward", root.name)
-    if reduce:
-        _finish_backward(line, root, units, plan, in_flight)
-
-
-def _finish_backward(
-    line: Timeline, root: UnitTimes, units: list[UnitTimes], plan: Schedule, in_flight: list[UnitTimes]
-) -> None:
-    """ShardedModel._finish_backward: the pending units reduced (stage 1: all), then each waited for in order."""
-    pending = [*units[::-1], root] if plan.stage is Stage.OPTIMIZER else [root]
-    limit = len(units) + 1 if plan.stage is Stage.OPTIMIZER else MAX_REDUCTIONS_IN_FLIGHT
-    for unit in pending:
-        _reduce(line, unit, in_flight, limit)
-    flying = {unit.name for unit in in_flight}
-    for unit in [root, *units]:
-        if unit.name in flying:
-            line.wait(("reduce", unit.name))
-            line.launch(("across", unit.name), "all_reduce", INTER, unit.across, unit.launch_across)
-        line.wait(("across", unit.name))
-    in_flight.clear()
+def _micro_batch(line: Timeline, engine: EngineStandIn) -> None:
+    """One micro-batch's forward and backward, the engine's hooks called where its units start and end: the root's
+    lead forward before the units and the rest after them, its backward first and its lead's last."""
+    root, units = engine.root, engine.units[1:]
+    line.compute(root.times.lead_forward, "forward", root.name)
+    for unit in units:
+        engine.pre_forward(unit)
+        line.compute(unit.times.forward, "forward", unit.name)
+        engine.post_forward(unit)
+    line.compute(root.times.forward - root.times.lead_forward, "forward", root.name)
+    line.phase = "backward"
+    engine.pre_backward(root)
+    line.compute(root.times.backward - root.times.lead_backward, "backward", root.name)
+    for unit in units[::-1]:
+        engine.pre_backward(unit)
+        line.compute(unit.times.backward, "backward", unit.name)
+        engine.post_backward(unit)
+    line.compute(root.times.lead_backward, "backward", root.name)
+    engine.finish_backward()
 
 
 def play(
@@ -184,9 +132,9 @@ def play(
     line.compute(data, "data", "data")
     for i in range(micro_batches):
         line.phase = "forward"
-        _forward(line, root, units, plan)
-        line.phase = "backward"
-        _backward(line, root, units, plan, reduce=not plan.defer or i == micro_batches - 1)
+        stand_ins = [StandInUnit(t.name, [], [], times=t, trains=bool(t.reduce or t.across)) for t in [root, *units]]
+        reduces = not plan.defer or i == micro_batches - 1
+        _micro_batch(line, EngineStandIn(stand_ins, plan, clock=Played(line), reduces=reduces))
     line.phase = "optimizer"
     line.compute(optimizer, "optimizer", "optimizer")
     if plan.stage is not Stage.PARAMETERS:

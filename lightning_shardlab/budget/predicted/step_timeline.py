@@ -5,8 +5,8 @@ Adding up a step's parts (state + gathered + activations) counts them as if all 
 logits are freed early in backward, a block's saved tensors go as its backward runs, the gathered units change from
 unit to unit. So ``step_timeline`` runs the step and sums, after every op, what is live: **traced** storages not yet
 freed (``LiveStorages``: batch, saved tensors, temporaries, gradients, recomputations), and what **the engine** holds
-(``EngineStandIn``: gathered units, flat gradients whose reduce-scatter flies). The stand-in receives the very hooks
-the engine installs (sharding/hooks.py) and takes ShardedModel's decisions on units of bytes. On gloo the wire's
+(engine_schedule.py's ``EngineStandIn``: gathered units, flat gradients whose reduce-scatter flies), driven by the
+very hooks the engine installs (sharding/hooks.py). On gloo the wire's
 receive rooms (``Wire.receive_room``) count from launch to wait; NCCL, and a plan, post none. torch's checkpoint keeps
 a CPU RNG state per checkpointed module, added by hand.
 """
@@ -30,57 +30,11 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_shardlab.budget.measured.activations import ROOT
 from lightning_shardlab.budget.predicted.activation_trace import computing, fake_parameters, training, unit_members
-from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.budget.predicted.engine_schedule import EngineStandIn, Schedule, StandInUnit, UnitBytes
+from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.core.display import size
 from lightning_shardlab.sharding import checkpointing, hooks
-from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.policy import UnitChoice, choose_units
-from lightning_shardlab.sharding.sharded_model import MAX_REDUCTIONS_IN_FLIGHT
-from lightning_shardlab.sharding.unit import TrainingState
-
-Rooms = Callable[[str, int], int]  # (collective, bytes sent to each peer) -> receive room held while it flies
-
-
-def no_rooms(kind: str, payload: int) -> int:
-    """NCCL (and a plan): collectives post no receive buffers of their own."""
-    return 0
-
-
-@dataclass(frozen=True)
-class UnitBytes:
-    """What the engine holds for one unit, from its flat parameters' layouts."""
-
-    gathered: int = 0  # its full buffers while gathered (stage 3; at stages 1-2 they are model state)
-    gathering: int = 0  # the receive rooms of its all-gathers while they fly
-    reducing: int = 0  # its flat gradients, new grad shards and receive rooms while the reduce-scatters fly
-    regrouped: int = 0  # reshard_after_forward=k: the group shards it keeps from its forward to its backward
-    regathering: int = 0  # ... and the receive rooms of backward's all-gathers from them, in the reshard group
-    laying_out: int = 0  # the gradients laid out in their own dtype, before the cast to the reduce dtype
-
-    @staticmethod
-    def of(
-        layouts: list[FlatParamLayout],
-        stage: Stage,
-        policy: PrecisionPolicy,
-        rooms: Rooms = no_rooms,
-        reshard_size: int | None = None,
-        reshard_rooms: Rooms = no_rooms,
-    ) -> UnitBytes:
-        gathered = gathering = reducing = regrouped = regathering = laying_out = 0
-        for lay in layouts:
-            compute = policy.compute_for(lay.dtype).itemsize
-            if stage is Stage.PARAMETERS and lay.world_size > 1:
-                gathered += lay.padded_numel * compute
-                gathering += rooms("all_gather", lay.shard_numel * compute)
-                if reshard_size:
-                    regrouped += lay.padded_numel // reshard_size * compute
-                    regathering += reshard_rooms("all_gather", lay.padded_numel // reshard_size * compute)
-            if lay.requires_grad:
-                reduce = (policy.reduce_dtype or lay.dtype).itemsize  # fp32 under mixed precision, unless asked
-                reducing += (lay.padded_numel + lay.shard_numel) * reduce
-                laying_out += lay.padded_numel * compute if reduce != compute else 0
-                reducing += rooms("reduce_scatter", lay.shard_numel * reduce) if lay.world_size > 1 else 0
-        return UnitBytes(gathered, gathering, reducing, regrouped, regathering, laying_out)
 
 
 @dataclass
@@ -178,120 +132,6 @@ class LiveStorages(TorchDispatchMode):
         self.total -= self.live.pop(key, 0)
 
 
-class StandInUnit:
-    """What sharding/hooks.py reads and writes on a unit (sharding/unit.py's ``Unit``), for a unit of bytes."""
-
-    def __init__(self, name: str, modules: list[nn.Module], params: list[nn.Parameter], size: UnitBytes) -> None:
-        self.name, self.modules, self.params, self.size = name, modules, params, size
-        self.is_root = name == ROOT
-        self.grad_flat_params = [p for p in params if p.requires_grad]
-        self.training = TrainingState.IDLE
-        self.forwarded = 0
-        self.awaiting_post_backward = 0
-
-
-class EngineStandIn:
-    """ShardedModel's decisions (sharding/sharded_model.py) on units of bytes: what is gathered, what flies."""
-
-    def __init__(self, units: list[StandInUnit], config: ShardLabConfig, sample: Callable[..., None]) -> None:
-        self.units, self.config, self.sample = units, config, sample
-        self.root = units[0]
-        self.gathered: set[StandInUnit] = {self.root}  # held for the step
-        self.gathering: set[StandInUnit] = set()  # prefetched, not waited yet
-        self.regrouped: set[StandInUnit] = set()  # keeping group shards for backward (reshard_after_forward=k)
-        self.last_order = units[1:]  # last step's forward order
-        self.order: list[StandInUnit] = []
-        self.in_flight: list[StandInUnit] = []  # reductions not waited yet
-        self.rng_states: dict[StandInUnit, int] = {}  # checkpointed modules' RNG states, by unit, until backward
-        self.laying_out = 0  # a unit's gradients laid out in their own dtype, while they are cast to the reduce dtype
-        self.phase = "forward"
-        self._prefetch(self.last_order[:1])
-
-    @property
-    def gathered_bytes(self) -> int:
-        return sum(u.size.gathered for u in self.gathered) + sum(u.size.regrouped for u in self.regrouped)
-
-    @property
-    def in_flight_bytes(self) -> int:
-        gathering = sum(u.size.regathering if u in self.regrouped else u.size.gathering for u in self.gathering)
-        return gathering + sum(u.size.reducing for u in self.in_flight) + self.laying_out
-
-    def _prefetch(self, units: list[StandInUnit]) -> None:
-        if self.config.stage is Stage.PARAMETERS:
-            for unit in units:
-                if unit not in self.gathered:
-                    self.gathered.add(unit)
-                    self.gathering.add(unit)
-
-    def _unshard(self, unit: StandInUnit) -> None:
-        self._prefetch([unit])
-        self.sample(f"gathered {unit.name}")
-        self.gathering.discard(unit)
-
-    def _after(self, unit: StandInUnit, order: list[StandInUnit]) -> list[StandInUnit]:
-        i = order.index(unit) if unit in order else len(order)
-        return order[i + 1 : i + 2]
-
-    def pre_forward(self, unit: StandInUnit) -> None:
-        if unit.is_root:
-            return
-        self._unshard(unit)
-        self.order.append(unit)
-        self._prefetch(self._after(unit, self.last_order))
-        self.sample(f"pre_forward {unit.name}")
-
-    def post_forward(self, unit: StandInUnit) -> None:
-        last = self.last_order[-1] if self.last_order else None
-        if not unit.is_root and self.config.reshard_after_forward and unit is not last:
-            self._reshard(unit, regroup=bool(unit.size.regrouped))
-
-    def _reshard(self, unit: StandInUnit, regroup: bool = False) -> None:
-        if self.config.stage is Stage.PARAMETERS and unit is not self.root:
-            self.gathered.discard(unit)
-            self.gathering.discard(unit)
-            (self.regrouped.add if regroup else self.regrouped.discard)(unit)
-
-    def pre_backward(self, unit: StandInUnit) -> None:
-        self._unshard(unit)
-        if not unit.is_root:
-            self._prefetch(self._after(unit, self.order[::-1]))
-        unit.training = TrainingState.BACKWARD
-        self.sample(f"pre_backward {unit.name}")
-
-    def post_backward(self, unit: StandInUnit) -> None:
-        unit.awaiting_post_backward = 0
-        if unit.training is not TrainingState.BACKWARD:
-            return
-        unit.training = TrainingState.GRADS_PENDING
-        self.rng_states.pop(unit, None)  # its recomputations are done
-        if unit.grad_flat_params and self.config.stage >= Stage.GRADIENTS:
-            self._reduce(unit)
-        self._reshard(unit)
-
-    def _reduce(self, unit: StandInUnit) -> None:
-        limit = len(self.units) if self.config.stage is Stage.OPTIMIZER else MAX_REDUCTIONS_IN_FLIGHT
-        while len(self.in_flight) >= limit:
-            self.in_flight.pop(0)
-        self.in_flight.append(unit)  # the flat gradient is laid out while the params' gradients still live
-        self.laying_out = unit.size.laying_out
-        self.sample(f"reduce-scatter {unit.name}")
-        self.laying_out = 0
-        for param in unit.params:
-            param.grad = None
-        unit.training = TrainingState.REDUCING
-
-    def finish_backward(self) -> None:
-        """The end of backward: units with no post-backward, then every pending reduction (the root's), waited."""
-        for unit in reversed(self.units):
-            if unit.training is TrainingState.BACKWARD:
-                self.post_backward(unit)
-        for unit in reversed(self.units):
-            if unit.training is TrainingState.GRADS_PENDING:
-                self._reduce(unit)
-        self.in_flight.clear()
-        self.sample("end of backward")
-
-
 # ---- the run ----
 
 
@@ -376,7 +216,9 @@ def step_timeline(
         stack.enter_context(training(model))
         stack.enter_context(fake_parameters(model, mode, precision))
         stack.callback(checkpointing.undo, model, checkpointing.apply(model, names))
-        engine = EngineStandIn(stand_ins(model, choice, sizes), config, recorder)
+        engine = EngineStandIn(
+            stand_ins(model, choice, sizes), Schedule(config.stage, config.reshard_after_forward), recorder
+        )
         handles = [h for unit in engine.units for h in hooks.install(engine, unit)]  # type: ignore[arg-type]
         handles += hook_rng_states(model, names, choice, engine)
         stack.callback(lambda: [h.remove() for h in handles])
