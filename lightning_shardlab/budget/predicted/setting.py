@@ -87,10 +87,12 @@ class Setting:
 
     def plan(self, device_memory: float | None = None, **changes: Any) -> Plan:
         config, group, _ = self.changed(**changes)
-        return plan_model(
-            self.model, config, self.world_size, self.precision, self.optimizer, self.link_inside(group), self.source,
-            inter=self.inter, per_node=self.per_node, tier_link=self.tier_link, device_memory=device_memory,
+        link, inter = self.link_inside(group), self.inter
+        make = functools.partial(
+            plan_model, self.model, config, self.world_size, self.precision, self.optimizer, link, self.source,
+            inter=inter, per_node=self.per_node, tier_link=self.tier_link, device_memory=device_memory,
         )  # fmt: skip
+        return self._once(("plan", link, inter, device_memory, *sorted(changes.items())), make)
 
     def activations(self, micro_batch_size: int | None = None) -> ActivationTrace:
         """What one micro-batch saves, without and with checkpointing (activation_trace.py)."""
@@ -150,7 +152,15 @@ class Setting:
     def predict(
         self, micro_batch_size: int | None = None, micro_batches: int | None = None, prefetch: int = 1, **changes: Any
     ) -> dict[str, Any]:
-        """Seconds per optimizer step (step_time.py). ``ValueError`` for groups that do not tile the world."""
+        """Seconds per optimizer step (step_time.py), each setting played once. ``ValueError`` for groups that do not
+        tile the world."""
+        key = ("time", micro_batch_size or self.micro_batch_size, micro_batches or self.micro_batches, prefetch,
+               self.rate, self.link_share, self.intra, self.inter, *sorted(changes.items()))  # fmt: skip
+        return dict(self._once(key, lambda: self._predict(micro_batch_size, micro_batches, prefetch, **changes)))
+
+    def _predict(
+        self, micro_batch_size: int | None, micro_batches: int | None, prefetch: int, **changes: Any
+    ) -> dict[str, Any]:
         config, group, reshard = self.changed(**changes)
         units, policy = self.units(config, group), plan_policy(self.precision, config)
         layouts = [lay for lays in units.values() for lay in lays]
