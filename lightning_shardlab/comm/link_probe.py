@@ -7,7 +7,10 @@ On a CPU, a call also costs the rank that computes around it, as the engine's ra
 unit, wait): the compute its launch and the communication threads take from the cores, and a wait that lasts until
 the peers' threads get a core. Batches timed while every rank waits see neither, and a small model's step on two
 cores shared by two ranks is mostly these costs (benchmarks/TIME_PREDICTION.md), so ``time_busy_call`` times them
-apart: the same loop of compute with and without a small call around each chunk.
+apart: the same loop of compute with and without a small call around each chunk. In a training run's processes the
+split between the two moves from one measurement to the next (here 0.2-2.4 ms of compute and 0.15-1.3 ms of wait a
+call, the same calls), their sum much less (0.9-1.6 ms); at ``link_share`` 0 a second of either costs the step the
+same (benchmarks/TIME_PREDICTION.md, "Ways to price a call").
 """
 
 from __future__ import annotations
