@@ -31,7 +31,6 @@ class Timeline:
         self.phase = "forward"  # the part of the step compute is in: what launching a call is charged to
         self.launching: dict[str, float] = {}  # part -> host seconds spent launching calls
         self.events: list[dict[str, Any]] = []  # the step as the timeline picture draws one (timeline_picture.py)
-        self._unit = ""  # the unit compute runs now: what launching a call is drawn as
 
     def _advance(self, seconds: float, speed: float) -> None:
         """The links work for the next ``seconds`` at ``speed`` x their own; calls that finish are noted."""
@@ -47,13 +46,11 @@ class Timeline:
                     self.ended[queue.pop(0)[0]] = at
 
     def compute(self, seconds: float, cat: str = "", name: str = "") -> None:
-        """Compute for ``seconds``: drawn as ``cat`` (forward, backward, optimizer, data) of ``name`` (a unit)."""
-        if cat:
-            self._unit = name
+        """Compute for ``seconds``: drawn as ``cat`` (forward, backward, optimizer, data; default: the phase) of
+        ``name`` (a unit, or the call being launched)."""
         if seconds > 0:
-            start = self.now
-            self.events.append({"name": name or self._unit or cat or self.phase, "cat": cat or self.phase,
-                                "lane": "compute", "start": start, "dur": seconds})  # fmt: skip
+            self.events.append({"name": name or cat or self.phase, "cat": cat or self.phase, "lane": "compute",
+                                "start": self.now, "dur": seconds})  # fmt: skip
         self._advance(seconds, self.share)
         self.now += seconds
 
@@ -61,7 +58,7 @@ class Timeline:
         """The call enters its link's queue once the host has launched it (``host`` seconds of compute)."""
         if seconds <= 0 or key in self.pending:
             return
-        self.compute(host)
+        self.compute(host, name=f"launch {kind} {key[1]}")
         self.launching[self.phase] = self.launching.get(self.phase, 0.0) + host
         self.queues.setdefault(link, []).append([key, seconds])
         self.pending[key] = (kind, self.now)
