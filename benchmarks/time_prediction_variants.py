@@ -27,12 +27,16 @@ from benchmarks.time_prediction_zoo import HERE, MODELS, VARIANTS, build
 from benchmarks.time_prediction_zoo import SECTION as ZOO
 
 SECTION = "## Ways to price a call, on the same fits"
-READING = """Reading it (2026-12-06, 2 ranks: 16, 16 and 3 of 24 steps within). On a CPU whose cores all compute
-(``link_share`` 0), a call moves only while its rank waits, so a second of launch charged as compute or as wait makes
-the same step: the first two ways differ only in which part shows it (as the budget prices it, forward is closer; moved
-into the wait, backward and the exposed communication are). Without the per-call cost, the step is under by far on
-most rows: the busy probe's cost is real, and what it cannot pin down from one fit to the next (comm/link_probe.py's
-module docstring) is how it splits between the two."""
+READING = """Reading it. On a CPU whose cores all compute (``link_share`` 0) a call moves only while its rank
+waits, so a second of its cost paid as compute or as waiting makes the same step: the first two ways differ only in
+which part shows it, and both keep the same steps within. Without the per-call cost most steps come out short: the
+busy probe's cost is real; what it cannot pin down from one fit to the next (comm/link_probe.py) is how it splits
+between compute and waiting. How the budget pays it changed on 2026-12-06: every launch had been paid as compute,
+and the same benchmark read forward 0.36, backward 0.51, comm_exposed 0.76 for it (16 of 24 steps within); now a
+call's cost is paid as compute only where compute runs while it flies, and in its wait where nothing computes before
+it (the refresh after the optimizer step, the reductions at the end of backward: back-to-back calls have no compute
+to slow), which left the steps as they were and brought backward and the exposed communication closer (the table
+above)."""
 PARTS = ("step", "forward", "backward", "optimizer", "comm_exposed")
 
 

@@ -37,11 +37,14 @@ def test_stage_3_played_by_hand(late: float) -> None:
     assert "all_gather" not in stage_2.exposed and stage_2.now == pytest.approx(18.0 + 4.0)  # no refresh given
 
 
-def test_launching_a_call_is_compute_in_the_part_that_launches_it_by_hand() -> None:
-    """Each launch costs the host 0.5 s (``UnitTimes.launch``): stage 3 launches 3 gathers in forward (the root's,
-    A's, B's), 1 regather (A's) and 3 reduce-scatters in backward; stage 2 its 3 reduce-scatters in backward and
-    3 refreshes after the optimizer step. With links that move only while compute waits (a CPU's, ``link_share``
-    0), the step is longer by those launches, each in its part, and nothing else moves."""
+def test_a_launch_is_paid_as_compute_if_compute_runs_before_its_wait_else_in_its_wait_by_hand() -> None:
+    """Each call costs the host 0.5 s (``UnitTimes.launch``), links move only while compute waits (a CPU's,
+    ``link_share`` 0). Stage 3 launches 7 calls: the root's and A's gathers open the step and are waited for before
+    anything computes (paid in their waits), B's gather is launched before A's forward (paid as compute in forward);
+    in backward, A's regather and B's reduce-scatter fly while B and A compute (paid as compute), A's and the root's
+    reduce-scatters are waited for at the end (in their waits). Stage 2: B's reduce-scatter flies while A computes;
+    A's, the root's and the 3 refreshes after the optimizer step are waited for at once. Either way the step is
+    longer by every launch, and the parts that launched are longer by those paid as compute."""
     from lightning_shardlab.budget.predicted.step_time import Schedule, UnitTimes, play
 
     def units(launch: float) -> tuple[UnitTimes, list[UnitTimes]]:
@@ -49,13 +52,15 @@ def test_launching_a_call_is_compute_in_the_part_that_launches_it_by_hand() -> N
         ab = [UnitTimes(n, 3.0, 6.0, 0.0, 1.0, 1.0, 2.0, 0.0, 1.0, launch) for n in "AB"]
         return root, ab
 
-    for stage, launched in (
-        (Stage.PARAMETERS, {"forward": 1.5, "backward": 2.0}),
-        (Stage.GRADIENTS, {"backward": 1.5, "optimizer": 1.5}),
+    for stage, as_compute, calls in (
+        (Stage.PARAMETERS, {"forward": 0.5, "backward": 1.0}, 7),
+        (Stage.GRADIENTS, {"backward": 0.5}, 6),
     ):
         free, paid = (play(*units(launch), Schedule(stage), link_share=0.0) for launch in (0.0, 0.5))
-        assert paid.launching == pytest.approx(launched), stage
-        assert paid.now == pytest.approx(free.now + sum(launched.values())), stage
+        assert paid.launching == pytest.approx(as_compute), stage
+        assert paid.now == pytest.approx(free.now + 0.5 * calls), stage
+        in_waits = 0.5 * calls - sum(as_compute.values())
+        assert sum(paid.exposed.values()) == pytest.approx(sum(free.exposed.values()) + in_waits), stage
 
 
 def test_one_reduce_scatter_in_flight_by_hand() -> None:

@@ -1,9 +1,12 @@
 """The two clocks a step is played on (budget/predicted/step_time.py): one compute stream, and each link a
 first-in-first-out queue of collectives. Compute advances the clock; a collective joins its link's queue when
 launched and moves at full speed while compute waits for it, at ``share`` of that while compute runs; a wait blocks
-compute until the call is through. What it tallies: by collective kind, the seconds on the wire, exposed (waited
-for), hidden (in flight before the wait) and in flight; by part of the step, the compute launching calls took; and
-the played step as events, as the timeline picture draws one (budget/timeline_picture.py).
+compute until the call is through. What a call costs its host (on a CPU, the cores its communication threads take)
+is paid as compute where compute runs while it is pending, and as waiting where it is waited for before any compute:
+back-to-back calls (the refresh, the end of backward) have no compute to slow (benchmarks/TIME_PREDICTION.md, "Ways
+to price a call": the steps the same, the parts closer). What it tallies: by collective kind, the seconds on the
+wire, exposed (waited for), hidden (in flight before the wait) and in flight; by part of the step, the compute
+launching calls took; and the played step as events, as the timeline picture draws one (budget/timeline_picture.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Timeline:
         self.in_flight: dict[str, float] = {}  # kind -> seconds from each launch to its end (queued behind others too)
         self.phase = "forward"  # the part of the step compute is in: what launching a call is charged to
         self.launching: dict[str, float] = {}  # part -> host seconds spent launching calls
+        self.owed: dict[tuple[str, str], float] = {}  # launched calls whose cost to the host is not paid yet
         self.events: list[dict[str, Any]] = []  # the step as the timeline picture draws one (timeline_picture.py)
 
     def _advance(self, seconds: float, speed: float) -> None:
@@ -47,7 +51,12 @@ class Timeline:
 
     def compute(self, seconds: float, cat: str = "", name: str = "") -> None:
         """Compute for ``seconds``: drawn as ``cat`` (forward, backward, optimizer, data; default: the phase) of
-        ``name`` (a unit, or the call being launched)."""
+        ``name`` (a unit, or the call being launched); first, what the calls launched before it cost the host."""
+        if seconds > 0 and self.owed:
+            owed, self.owed = self.owed, {}
+            for key, host in owed.items():
+                self.launching[self.phase] = self.launching.get(self.phase, 0.0) + host
+                self.compute(host, name=f"launch {self.pending[key][0]} {key[1]}")
         if seconds > 0:
             self.events.append({"name": name or cat or self.phase, "cat": cat or self.phase, "lane": "compute",
                                 "start": self.now, "dur": seconds})  # fmt: skip
@@ -55,11 +64,12 @@ class Timeline:
         self.now += seconds
 
     def launch(self, key: tuple[str, str], kind: str, link: str, seconds: float, host: float = 0.0) -> None:
-        """The call enters its link's queue once the host has launched it (``host`` seconds of compute)."""
+        """The call enters its link's queue. What it costs the host (``host`` seconds: on a CPU, the cores its
+        communication threads take) is paid as compute if compute runs before its wait, else in its wait."""
         if seconds <= 0 or key in self.pending:
             return
-        self.compute(host, name=f"launch {kind} {key[1]}")
-        self.launching[self.phase] = self.launching.get(self.phase, 0.0) + host
+        if host > 0:
+            self.owed[key] = host
         self.queues.setdefault(link, []).append([key, seconds])
         self.pending[key] = (kind, self.now)
         self.wire[kind] = self.wire.get(kind, 0.0) + seconds
@@ -67,7 +77,14 @@ class Timeline:
     def wait(self, key: tuple[str, str]) -> None:
         if key not in self.pending:
             return
-        kind, launched = self.pending.pop(key)
+        kind, launched = self.pending[key]
+        host = self.owed.pop(key, 0.0)
+        if host:  # nothing computed since its launch: the rank waits while the call costs it
+            self.events.append({"name": f"{kind} {key[1]}", "cat": "comm_exposed", "lane": "compute",
+                                "start": self.now, "dur": host})  # fmt: skip
+            self.exposed[kind] = self.exposed.get(kind, 0.0) + host
+            self.now += host
+        del self.pending[key]
         waited = self.now
         if key not in self.ended:  # blocked: every link at full speed until this call is through
             queue = next(q for q in self.queues.values() if any(call[0] == key for call in q))

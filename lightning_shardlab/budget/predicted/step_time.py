@@ -12,10 +12,10 @@ behind others included: what a clock at the engine's seams sees, budget/measured
 timeline picture's events (``timeline``), so one model serves the run's prediction, the plan and the picture
 (budget/timeline_picture.py). How each part is priced (docs/budget.md, "The time per step"): a collective at its
 link's ring bound, one call per flat parameter sized as ``predict_traffic`` counts it, gathers and reduce-scatters
-inside the shard group, all-reduces across replicas, each call's launch paid by compute where the engine launches
-it; compute from each unit's traced work (compute_trace.py) at a rate (compute_rate.py), the root's ``lead``
-(embeddings) before the units and its backward last; the optimizer's traced kernels at memory bandwidth; ``data``
-0 unless given, ``waiting_for_ranks`` 0 (the ranks are taken to be equal).
+inside the shard group, all-reduces across replicas, each call's cost to its rank paid as compute where compute runs
+while it flies, else in its wait (clocks.py); compute from each unit's traced work (compute_trace.py) at a rate
+(compute_rate.py), the root's ``lead`` (embeddings) before the units and its backward last; the optimizer's traced
+kernels at memory bandwidth; ``data`` 0 unless given, ``waiting_for_ranks`` 0 (the ranks are taken to be equal).
 
 The schedule is the engine's (engine_schedule.py: the same stand-in the step's peak is counted on, its hooks called
 in the units' order), once per micro-batch (each gathers again; with ``accumulation="defer"`` only the last
@@ -65,13 +65,13 @@ class UnitTimes:
     across: float = 0.0  # hybrid: all-reduce of its gradient shards across the replicas
     refresh: float = 0.0  # stages 1-2: all-gather after the optimizer step
     launch: float = 0.0  # host seconds to launch one of its collectives inside the shard group (one call per flat
-    launch_across: float = 0.0  # parameter), and one across groups: the compute stream pays them at each launch
+    launch_across: float = 0.0  # parameter), and one across groups: paid as compute, or in the call's wait
     lead_backward: float = 0.0  # the root: the backward of its lead forward, the last of the step's backward
 
 
 class Played(Clock):
     """The schedule's calls (engine_schedule.py) on the links of ``line``, each unit's seconds from its ``UnitTimes``,
-    each launch paid by the compute stream."""
+    each call's cost to the host paid as the clocks pay it."""
 
     def __init__(self, line: Timeline) -> None:
         self.line = line
