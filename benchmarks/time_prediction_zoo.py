@@ -40,15 +40,16 @@ READING = """Reading it. Until 2026-12-06 (the model before three changes), 6 of
 compute where the engine launches a call and as the latency a busy rank waits for; backward derived from the
 forward's work (2 x the FLOPs, the memory-bound bytes once, 2 x the kernels) rather than 2 x the forward, which had HF
 GPT-2's and the conv net's backward at twice their time; convolutions and attention timed for the FLOP rate beside
-matmuls (the conv net's rate had been its 10-wide head's). This table ran with nothing else on the machine; the one
-before it, beside other work, also had 33 of 48 within, the worst at 2.74.
+matmuls (the conv net's rate had been its 10-wide head's). This table ran with nothing else on the machine; the two
+before it (33 of 48 within, the worst at 1.90 alone and 2.74 beside other work) paid every launch as compute, where
+now a call waited for before anything computes pays in its wait: on these cores that moves time between parts, not
+the step ("Ways to price a call" above).
 What the rows still miss, from the largest, read from the parts of rank 0's reports (a separate run of the tiny
 stack and HF Llama on 2 ranks):
 - the busy probe's cost per call: from one fit to the next on this machine it read 0.4 to 3.5 ms of compute a call
   (two ranks and their communication threads time-sliced on two cores: what a call costs depends on how long it is
-  pending beside compute, not on the call alone). At 3.5 ms, HF Llama at stage 1 had its optimizer part (the
-  refresh's launches) predicted at 14.6 ms against 2.5 measured; at 0.4 ms, its stage 3 row had exposed
-  communication under by 2x;
+  pending beside compute, not on the call alone): the same model's rows moved by up to 1.5x between runs (the tiny
+  stack at stage 3: 0.93 and 0.57);
 - on 4 ranks, ``waiting_for_ranks`` (4 ranks on 2 cores: the model takes the ranks as equal and predicts none);
 - the forward of op-heavy models at stages 1-2 (HF Llama 11.5 ms against 4.3, the MoE and the tiny stack 2-3x):
   Python between kernels (the model's own code, Lightning's loop around ``training_step``), which no count of
