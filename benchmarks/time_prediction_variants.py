@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import math
 import os
 import statistics
@@ -22,8 +21,8 @@ import time
 from typing import Any
 
 from benchmarks.bench import machine
-from benchmarks.ranks import run_ranks, timing_trainer
-from benchmarks.time_prediction_zoo import HERE, MODELS, VARIANTS, build
+from benchmarks.ranks import run_ranks
+from benchmarks.time_prediction_zoo import HERE, MODELS, VARIANTS, fit
 from benchmarks.time_prediction_zoo import SECTION as ZOO
 
 SECTION = "## Ways to price a call, on the same fits"
@@ -52,9 +51,6 @@ def _ways(link: Any, world: int) -> dict[str, Any]:
 
 def run_rank(models: list[str], steps: int, out: str) -> list[dict]:
     """On every rank: each model at each variant fitted once, then its step priced each way (rank 0's rows)."""
-    from rich.console import Console
-
-    from lightning_shardlab import ShardLabBudget, ShardLabStrategy
     from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, EngineCost
     from lightning_shardlab.budget.predicted.run_time import time_predicted_for_run
     from lightning_shardlab.budget.predicted.zero_table import Interconnect
@@ -62,14 +58,7 @@ def run_rank(models: list[str], steps: int, out: str) -> list[dict]:
     world, rows = int(os.environ["WORLD_SIZE"]), []
     for name in models:
         for stage, micro in VARIANTS:
-            module, block, data = build(name)
-            budget = ShardLabBudget(Console(file=io.StringIO()))
-            strategy = ShardLabStrategy(stage=stage, unit_classes=[block])
-            trainer = timing_trainer(
-                accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, accumulate_grad_batches=micro,
-                callbacks=[budget], default_root_dir=out,
-            )  # fmt: skip
-            trainer.fit(module, data(steps * micro * world))
+            trainer, strategy, budget = fit(name, stage, micro, steps, out, world)
             report = budget.reports[trainer.global_rank]
             measured, basis = report["time_measured"], report["time_predicted"].get("basis")
             if basis is None:

@@ -210,24 +210,30 @@ def _conv_net() -> tuple[Any, type, Any]:
     return ConvNet(), ConvBlock, data
 
 
-def run_rank(models: list[str], steps: int, out: str) -> list[dict]:
-    """On every rank: each model at each variant, fitted in turn; each fit's rank report (time measured, predicted)."""
-    import os
-
+def fit(name: str, stage: int, micro: int, steps: int, out: str, world: int) -> tuple[Any, Any, Any]:
+    """On every rank of ``world``: ``name`` fitted for ``steps`` optimizer steps of ``micro`` micro-batches at
+    ``stage``, with ``ShardLabBudget``: (the trainer, its strategy, the budget)."""
     from rich.console import Console
 
     from lightning_shardlab import ShardLabBudget, ShardLabStrategy
 
+    module, block, data = build(name)
+    budget = ShardLabBudget(Console(file=io.StringIO()))
+    strategy = ShardLabStrategy(stage=stage, unit_classes=[block])
+    trainer = timing_trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, accumulate_grad_batches=micro,
+        callbacks=[budget], default_root_dir=out,
+    )  # fmt: skip
+    trainer.fit(module, data(steps * micro * world))
+    return trainer, strategy, budget
+
+
+def run_rank(models: list[str], steps: int, out: str) -> list[dict]:
+    """On every rank: each model at each variant, fitted in turn; each fit's rank report (time measured, predicted)."""
     world, rows = int(os.environ["WORLD_SIZE"]), []
     for name in models:
         for stage, micro in VARIANTS:
-            module, block, data = build(name)
-            budget = ShardLabBudget(Console(file=io.StringIO()))
-            trainer = timing_trainer(
-                accelerator="cpu", devices=world, strategy=ShardLabStrategy(stage=stage, unit_classes=[block]),
-                max_steps=steps, accumulate_grad_batches=micro, callbacks=[budget], default_root_dir=out,
-            )  # fmt: skip
-            trainer.fit(module, data(steps * micro * world))
+            trainer, _, budget = fit(name, stage, micro, steps, out, world)
             report = budget.reports[trainer.global_rank]
             rows.append({
                 "model": name, "ranks": world, "stage": stage, "micro_batches": micro,
