@@ -34,6 +34,7 @@ from lightning_shardlab.budget.predicted.plan import Plan
 from lightning_shardlab.budget.predicted.setting import Setting
 from lightning_shardlab.budget.predicted.step_timeline import PlannedPeak
 from lightning_shardlab.core.config import Stage
+from lightning_shardlab.core.display import size
 
 EXPOSED_SHARE = 0.01  # changes are timed when communication exposes more than this share of the step
 TRAINER = ("micro_batch_size", "accumulate_grad_batches")  # options that are the Trainer's and the data's
@@ -99,7 +100,9 @@ def made(setting: Setting, base: Plan, tried: Try, step: float, peak: PlannedPea
 def fit_tries(setting: Setting, plan: Plan) -> list[list[Try]]:
     """The rule's changes in its order, in groups: of a group, the first whose step fits is made (else its last)."""
     b, m, world, group = setting.micro_batch_size, setting.micro_batches, setting.world_size, plan.shard_group_size
-    stages = [[Try(f"stage {s}", {"stage": Stage(s)}, "more gathered and reduced")] for s in range(plan.stage + 1, 4)]
+    stages = [
+        [Try(f"stage {s}", {"stage": Stage(s)}, _moved(setting, plan, Stage(s)))] for s in range(plan.stage + 1, 4)
+    ]
     checkpointed = setting.activations().checkpointed
     recompute = f"recompute: one more forward of {len(checkpointed)} modules"
     checkpointing = [] if setting.config.activation_checkpointing or not checkpointed else [
@@ -120,6 +123,13 @@ def fit_tries(setting: Setting, plan: Plan) -> list[list[Try]]:
         for g in range(group + 1, world + 1) if world % g == 0 and g % group == 0
     ]  # fmt: skip
     return [*stages, *checkpointing, smaller, *offload, larger]
+
+
+def _moved(setting: Setting, plan: Plan, stage: Stage) -> str:
+    """What ``stage`` moves per step beyond ``plan``, in words."""
+    other = setting.plan(stage=stage)
+    moved = sum(other.traffic[k] - plan.traffic[k] for k in ("all_gather_bytes", "reduce_scatter_bytes"))
+    return f"{size(moved, decimal=True)} more moved per step" if moved > 0 else "no more traffic"
 
 
 def _peak(setting: Setting, tried: Try) -> PlannedPeak | None:
