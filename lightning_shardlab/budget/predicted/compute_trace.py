@@ -39,7 +39,7 @@ from lightning_shardlab.budget.predicted.activation_trace import (
     unit_members,
 )
 from lightning_shardlab.budget.predicted.optimizer_peak import second_step
-from lightning_shardlab.core.config import ShardLabConfig
+from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig
 from lightning_shardlab.sharding.checkpointing import chosen_modules
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.policy import choose_units
@@ -320,23 +320,31 @@ def master_sizes(layouts: list[FlatParamLayout], rank: int = 0) -> list[tuple[in
     return sizes
 
 
-def optimizer_work(cls: type[Optimizer], options: dict[str, Any], sizes: list[tuple[int, torch.dtype]]) -> Work:
-    """The bytes and kernels of one step of ``cls`` (with ``options``) over fake 1-D masters of ``sizes``: its second
-    step (the first makes the state, as a run's first step did)."""
+def optimizer_work(
+    cls: type[Optimizer],
+    options: dict[str, Any],
+    layouts: list[FlatParamLayout],
+    policy: PrecisionPolicy,
+    rank: int = 0,
+) -> Work:
+    """The bytes and kernels of one step of ``cls`` (with ``options``) over fake 1-D masters of ``rank``'s views
+    (``master_sizes``): its second step (the first makes the state, as a run's first step did); with the
+    mixed-precision copies around it (``precision_copies``)."""
+    sizes = master_sizes(layouts, rank)
     if not sizes:
-        return Work()
+        return precision_copies(layouts, policy)
     with second_step(cls, [(options, [(torch.Size([n]), dtype) for n, dtype in sizes])]) as (stand_in, _):
         with WorkMode() as counted:
             stand_in.step()
-    return Work(0.0, float(counted.bytes), float(counted.ops))
+    return Work(0.0, float(counted.bytes), float(counted.ops)) + precision_copies(layouts, policy)
 
 
-def precision_copies(layouts: list[FlatParamLayout], compute_itemsize: Callable[[FlatParamLayout], int]) -> Work:
+def precision_copies(layouts: list[FlatParamLayout], policy: PrecisionPolicy) -> Work:
     """Mixed precision around the update: each grad shard read and written as an fp32 copy for the optimizer, and each
     compute shard rewritten from its master after it (sharding/gradients.py, ``FlatParam.shard_from_master``)."""
     nbytes = 0.0
     for lay in layouts:
-        c, m = compute_itemsize(lay), lay.dtype.itemsize
+        c, m = policy.compute_for(lay.dtype).itemsize, lay.dtype.itemsize
         if lay.requires_grad and c != m:
             nbytes += 2 * (c + m) * lay.shard_numel  # bytes: grad c -> m, then master m -> compute c
     return Work(0.0, nbytes, 2.0 * sum(1 for lay in layouts if lay.requires_grad) if nbytes else 0.0)

@@ -20,9 +20,7 @@ from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, measur
 from lightning_shardlab.budget.predicted.compute_trace import (
     ComputeTrace,
     Work,
-    master_sizes,
     optimizer_work,
-    precision_copies,
 )
 from lightning_shardlab.budget.predicted.engine_cost import with_engine_cost
 from lightning_shardlab.budget.predicted.step_time import Links, basis, predict_step_time
@@ -56,14 +54,13 @@ def run_optimizer_work(
         options = {k: v for k, v in group.items() if k not in ("params", "initial_lr")}
     if not options.get("fused"):
         options["foreach"] = sharded.comm.device.type == "cuda"  # torch's default path on each device
-    sizes = master_sizes(layouts, sharded.mesh.shard.rank)
+    rank, policy = sharded.mesh.shard.rank, sharded.policy
     try:
-        work = optimizer_work(cls, options, sizes)
+        work = optimizer_work(cls, options, layouts, policy, rank)
     except Exception:  # noqa: BLE001 - options the fakes refuse (capturable, fused on another device): AdamW's
         cls, options = torch.optim.AdamW, {"foreach": sharded.comm.device.type == "cuda"}
-        work = optimizer_work(cls, options, sizes)
-    copies = precision_copies(layouts, lambda lay: sharded.policy.compute_for(lay.dtype).itemsize)
-    return work + copies, cls.__name__
+        work = optimizer_work(cls, options, layouts, policy, rank)
+    return work, cls.__name__
 
 
 def run_rate(sharded: ShardedModel, compute: ComputeTrace | None) -> ComputeRate:

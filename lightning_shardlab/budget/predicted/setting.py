@@ -20,10 +20,7 @@ from lightning_shardlab.budget.predicted.activation_trace import STEPS, Activati
 from lightning_shardlab.budget.predicted.compute_rate import ComputeRate
 from lightning_shardlab.budget.predicted.compute_trace import (
     ComputeTrace,
-    Work,
-    master_sizes,
     optimizer_work,
-    precision_copies,
     trace_plan_compute,
 )
 from lightning_shardlab.budget.predicted.engine_schedule import UnitBytes
@@ -32,17 +29,9 @@ from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, plan_model, 
 from lightning_shardlab.budget.predicted.step_time import Links, basis, predict_step_time
 from lightning_shardlab.budget.predicted.step_timeline import PlannedPeak, StepTimeline, step_timeline
 from lightning_shardlab.budget.predicted.zero_table import Interconnect
-from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig
+from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.policy import plan_units
-
-
-def planned_optimizer_work(name: str, layouts: list[FlatParamLayout], policy: PrecisionPolicy, foreach: bool) -> Work:
-    """One step of torch's optimizer ``name`` (SGD with momentum; a whole-tensor optimizer as AdamW: its exchanges
-    are not timed) over rank 0's master views, with the mixed-precision copies around it."""
-    cls, options = planned_optimizer(name, foreach)
-    copies = precision_copies(layouts, lambda lay: policy.compute_for(lay.dtype).itemsize)
-    return optimizer_work(cls or torch.optim.AdamW, options, master_sizes(layouts)) + copies
 
 
 @dataclass
@@ -166,7 +155,8 @@ class Setting:
         layouts = [lay for lays in units.values() for lay in lays]
         links = Links(self.link_inside(group), self.inter, self.world_size // group, reshard)
         m = micro_batches or self.micro_batches
-        work = planned_optimizer_work(self.optimizer, layouts, policy, foreach=self.rate.device != "cpu")
+        cls, options = planned_optimizer(self.optimizer, foreach=self.rate.device != "cpu")
+        work = optimizer_work(cls or torch.optim.AdamW, options, layouts, policy)  # a whole-tensor one: as AdamW
         out = predict_step_time(
             units, self.compute(micro_batch_size, **changes), self.rate, config, policy, links,
             micro_batches=m, optimizer=work, data_seconds=self.data_seconds, prefetch=prefetch,
