@@ -1,4 +1,4 @@
-"""Activations planned without running: the fake-tensor trace (budget/predicted/activation_trace.py) against a real CPU
+"""Activations planned without running: the fake-tensor trace (budget/predicted/forward_trace.py) against a real CPU
 forward counted the same way, the 7B-shaped plan with nothing allocated, and ``--device-memory`` verdicts."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_shardlab.budget.predicted import changes
-from lightning_shardlab.budget.predicted.activation_trace import trace_activations, unit_members
+from lightning_shardlab.budget.predicted.fake_step import unit_members
+from lightning_shardlab.budget.predicted.forward_trace import trace_forward
 from lightning_shardlab.budget.predicted.setting import Setting
 from lightning_shardlab.cli import plan as plan_command
 from lightning_shardlab.core.config import ShardLabConfig
@@ -140,7 +141,7 @@ def meta(kind: str) -> nn.Module:
 def test_traced_activations_match_a_real_forward_counted_the_same_way(
     kind: str, batch: int, seq: int, checkpointing: bool
 ) -> None:
-    traced = trace_activations(meta(kind), batch, seq, "32-true", config=CONFIG)
+    traced = trace_forward(meta(kind), batch, seq, "32-true", config=CONFIG).activations
     real = measure(kind, batch, seq, checkpointing)
     predicted = traced.checkpointed_by_unit if checkpointing else traced.by_unit
     print(f"\n{kind} B={batch} T={seq} {'checkpointed' if checkpointing else 'plain'}: unit measured / predicted")
@@ -157,17 +158,17 @@ def test_traced_activations_match_a_real_forward_counted_the_same_way(
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_traced_activations_under_bf16_mixed_match_a_real_autocast_forward(kind: str) -> None:
-    traced = trace_activations(meta(kind), 2, 32, "bf16-mixed", config=CONFIG)
+    traced = trace_forward(meta(kind), 2, 32, "bf16-mixed", config=CONFIG).activations
     real = measure(kind, 2, 32, False, "bf16-mixed")
     for unit, value in traced.by_unit.items():
         assert value == pytest.approx(real["by_unit"].get(unit, 0), rel=0.10), unit
-    assert traced.total < trace_activations(meta(kind), 2, 32, "32-true", config=CONFIG).total
+    assert traced.total < trace_forward(meta(kind), 2, 32, "32-true", config=CONFIG).activations.total
 
 
 def test_the_trace_puts_the_models_own_tensors_back() -> None:
     model = meta("gpt")
     before = {name: p for name, p in model.named_parameters()}
-    trace_activations(model, 1, 8, "bf16-mixed", config=CONFIG)
+    trace_forward(model, 1, 8, "bf16-mixed", config=CONFIG)
     after = dict(model.named_parameters())
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
     assert model.lm_head.weight is model.wte.weight and model.wte.weight.is_meta

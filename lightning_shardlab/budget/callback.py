@@ -39,9 +39,13 @@ from lightning_shardlab.budget.measured.option_error import option_error
 from lightning_shardlab.budget.measured.step_peak import StepPeak
 from lightning_shardlab.budget.measured.step_time import TimeMeter, align_timelines
 from lightning_shardlab.budget.measured.tiers import tier_counters
-from lightning_shardlab.budget.predicted.activation_prediction import meta_clone, predict_for_batch
 from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, link_share, median_rate, sharing_cores
-from lightning_shardlab.budget.predicted.compute_trace import unit_flops_for_batch
+from lightning_shardlab.budget.predicted.first_batch import (
+    activations_predicted,
+    meta_clone,
+    trace_first_batch,
+    work_predicted,
+)
 from lightning_shardlab.budget.predicted.optimizer_peak import optimizer_step_bytes
 from lightning_shardlab.budget.predicted.option_savings import run_option_savings
 from lightning_shardlab.budget.predicted.plan import link_seconds
@@ -116,10 +120,10 @@ class ShardLabBudget(L.Callback):
         self.activations: ActivationMeter | None = None  # what each training step saves for backward, by unit
         self.step_peak: StepPeak | None = None  # the profiled step's peak by phase, while it runs
         self._clone: torch.nn.Module | None = None  # the module on the meta device, taken before sharding
-        self.predicted_activations: dict[str, Any] = {}  # its first batch traced (predicted/activation_prediction.py)
+        self.predicted_activations: dict[str, Any] = {}  # its first batch traced (predicted/first_batch.py)
         self.predicted_timeline: Any = None  # ... and run on the engine's schedule (predicted/step_timeline.py)
         self.predicted_optimizer: Any = None  # the optimizers' step under fake tensors (predicted/optimizer_peak.py)
-        self.predicted_work: Any = None  # the first batch's work by unit (predicted/compute_trace.py)
+        self.predicted_work: Any = None  # the first batch's work by unit (predicted/forward_trace.py)
         self.peaks: dict[str, dict[str, Any]] = {}
 
     # ---- a Fabric loop ----
@@ -207,12 +211,14 @@ class ShardLabBudget(L.Callback):
         if run is None:
             return
         if self._clone is not None:  # the first batch: traced under fake tensors, before it runs
-            self.predicted_activations = predict_for_batch(self._clone, batch, run.sharded.config, run.precision)
+            config = run.sharded.config
+            traced = trace_first_batch(self._clone, batch, config, run.precision)
+            self.predicted_activations = activations_predicted(traced, config)
+            self.predicted_work = work_predicted(traced, config)
             if "step" in self.predicted_activations:
                 step = self.predicted_activations["step"]
                 self.predicted_timeline = timeline_for_batch(self._clone, batch, run.sharded, run.precision, step)
                 self.predicted_optimizer = optimizer_step_bytes(run.optimizers, run.sharded)
-            self.predicted_work = unit_flops_for_batch(self._clone, batch, run.sharded.config, run.precision)
             self._clone = None
         self._batch_start(run, batch)
 

@@ -23,7 +23,7 @@ the plan then shows what lives in each tier, what moves to and from it per step 
 ``--tier-link``; ``--device-memory`` says whether what stays on the device fits.
 
 ``--micro-batch-size B --seq-len T`` (with ``--model`` or ``--config``) traces one micro-batch of the model under
-fake tensors (budget/predicted/activation_trace.py: nothing allocated, a 7B-shaped model in seconds) and adds what
+fake tensors (budget/predicted/forward_trace.py: nothing allocated, a 7B-shaped model in seconds) and adds what
 autograd saves for backward, by unit, and the step peak per rank: model state + gathered units + activations (+ the
 largest recomputation with ``--activation-checkpointing``). With ``--device-memory`` it says whether that peak fits
 and, when not, the change that makes it fit at the shortest step (budget/predicted/changes.py: a higher stage,
@@ -65,7 +65,6 @@ import yaml
 from rich.console import Console
 
 from lightning_shardlab.budget.measured.tiers import LINKS
-from lightning_shardlab.budget.predicted.activation_trace import CONVERTED
 from lightning_shardlab.budget.predicted.changes import add_activations, plan_time
 from lightning_shardlab.budget.predicted.compute_rate import (
     MEMORY_BANDWIDTH,
@@ -75,6 +74,7 @@ from lightning_shardlab.budget.predicted.compute_rate import (
     sharing_cores,
 )
 from lightning_shardlab.budget.predicted.engine_cost import with_engine_cost
+from lightning_shardlab.budget.predicted.fake_step import CONVERTED
 from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, plan_model, plan_params
 from lightning_shardlab.budget.predicted.run_time import local_link
 from lightning_shardlab.budget.predicted.setting import Setting

@@ -83,7 +83,7 @@ def install(events: Events, unit: Unit) -> list[Any]:
 
 def installed_by_engine(hook: Any) -> bool:
     """Whether ``hook`` (in a module's forward hooks or pre-hooks) is one that ``install`` put there. A copy of a
-    sharded module made to be traced (budget/predicted/activation_prediction.py's ``meta_clone``) leaves them out:
+    sharded module made to be traced (budget/predicted/first_batch.py's ``meta_clone``) leaves them out:
     they drive the live ``ShardedModel``, whose gathers would run on the copy's fake tensors."""
     return isinstance(hook, functools.partial) and hook.func in (_pre_forward, _post_forward)
 

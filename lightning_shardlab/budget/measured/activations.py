@@ -14,7 +14,7 @@ inputs and recomputes in backward); its inputs are what it keeps, so they are ch
 
 The figure is "at the peak": with several forwards per step (gradient accumulation) the largest one, which is
 what is alive when backward starts. ``ActivationMeter`` is driven by ``ShardLabBudget`` around each training
-step; the plan predicts the same figure without running (budget/predicted/activation_trace.py).
+step; the plan predicts the same figure without running (budget/predicted/forward_trace.py).
 """
 
 from __future__ import annotations

@@ -1,53 +1,34 @@
-"""The work of one micro-batch, by unit, traced under fake tensors: FLOPs, memory-bound bytes and kernels.
+"""The work of some ops, counted as they run under fake tensors: FLOPs, memory-bound bytes and kernels.
 
-This file only counts (step_time.py turns work into seconds), as the user's step runs under ``FakeTensorMode``
-(activation_trace.py): **FLOPs** by torch's ``FlopCounterMode`` (attention by torch's formula, causal masking not
-subtracted); every other op that makes a tensor is memory-bound and costs the **bytes** it moves (its outputs, each
-input read up to its largest output's size: an embedding reads the rows it gathers, not the table); each **kernel** a
-fixed cost (views and allocations none). Counts go to the unit whose forward runs, and to ``recompute`` inside a
-checkpointed module; the root's share before the first unit (embeddings) is its ``lead``. Backward is derived, not
-traced (``Work.backward``). The heaviest shapes and ops are kept for the rate probes (compute_rate.py); the
-optimizer's step is counted the same way (``optimizer_work``).
+This file only counts (step_time.py turns work into seconds): **FLOPs** by torch's ``FlopCounterMode`` (attention by
+torch's formula, causal masking not subtracted); every other op that makes a tensor is memory-bound and costs the
+**bytes** it moves (its outputs, each input read up to its largest output's size: an embedding reads the rows it
+gathers, not the table); each **kernel** a fixed cost (views and allocations none). A micro-batch's forward is counted
+by unit in forward_trace.py; backward is derived, not traced (``Work.backward``). The heaviest shapes and ops are kept
+for the rate probes (compute_rate.py); the optimizer's step is counted the same way (``optimizer_work``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count, shape_wrapper
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count, shape_wrapper
 
-from lightning_shardlab.budget.measured.activations import ROOT
-from lightning_shardlab.budget.predicted.activation_trace import (
-    Step,
-    Untraced,
-    computing,
-    fake_like,
-    first_step_that_runs,
-    hook_units,
-    steps_for,
-    token_batch,
-    unit_members,
-)
 from lightning_shardlab.budget.predicted.optimizer_peak import second_step
-from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig
-from lightning_shardlab.sharding.checkpointing import chosen_modules
+from lightning_shardlab.core.config import PrecisionPolicy
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
-from lightning_shardlab.sharding.policy import choose_units
 
 aten = torch.ops.aten
 
 
-def _attention_flops(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+def attention_flops(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     return sdpa_flop_count(query, key, value)
 
 
@@ -56,7 +37,7 @@ MATMULS = {aten.mm: (0, 1), aten.addmm: (1, 2), aten.bmm: (0, 1), aten.baddbmm: 
 HEAVIEST = 6  # memory-bound ops, and other FLOP ops, kept for the rate probes
 FLOP_FORMULAS = {  # the FLOPs of each op that does FLOPs and is not a matmul: torch's formulas (taking tensors)
     **{op: formula for op, formula in flop_registry.items() if op not in MATMULS},
-    CPU_ATTENTION: shape_wrapper(_attention_flops),
+    CPU_ATTENTION: shape_wrapper(attention_flops),
 }
 NO_WORK = {aten._unsafe_view, aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty}  # nothing moves
 
@@ -118,10 +99,13 @@ class ComputeTrace:
         """Forward FLOPs per unit."""
         return {name: work.forward.flops for name, work in self.by_unit.items()}
 
-    @staticmethod
-    def of_flops(flops: dict[str, float]) -> ComputeTrace:
-        """From forward FLOPs per unit alone (no memory-bound bytes, no kernels)."""
-        return ComputeTrace({name: UnitWork(Work(flops=f)) for name, f in flops.items()})
+    def checkpointed(self, on: bool) -> ComputeTrace:
+        """The work of a step with activation checkpointing ``on`` (its modules' forward run again in backward) or
+        off (nothing recomputed)."""
+        if on:
+            return self
+        by_unit = {name: dataclasses.replace(work, recompute=Work()) for name, work in self.by_unit.items()}
+        return dataclasses.replace(self, by_unit=by_unit)
 
 
 # ---- counting ----
@@ -197,113 +181,6 @@ class WorkMode(TorchDispatchMode):
         batch = lhs[0] if len(lhs) == 3 else 1
         key = (batch, lhs[-2], lhs[-1], rhs[-1])  # (batch, m, k, n)
         self.matmuls[key] = self.matmuls.get(key, 0.0) + 2.0 * batch * lhs[-2] * lhs[-1] * rhs[-1]
-
-
-class _ByUnit:
-    """Charges the counters' growth between two module boundaries to the unit running then."""
-
-    def __init__(self, read: Callable[[], Work]) -> None:
-        self.read, self.last = read, Work()
-        self.running: list[str] = []  # the units whose forward runs, innermost last
-        self.checkpointed = 0  # depth inside checkpointed modules
-        self.forward: dict[str, Work] = {}
-        self.recompute: dict[str, Work] = {}
-        self.lead = Work()
-        self.order: list[str] = []  # the units in the order their forward first ran
-
-    def mark(self) -> None:
-        now = self.read()
-        delta, self.last = now - self.last, now
-        unit = self.running[-1] if self.running else ROOT
-        self.forward[unit] = self.forward.get(unit, Work()) + delta
-        if self.checkpointed:
-            self.recompute[unit] = self.recompute.get(unit, Work()) + delta
-        if unit == ROOT and not self.order:
-            self.lead = self.lead + delta
-
-    def hook(self, model: nn.Module, config: ShardLabConfig) -> list[Any]:
-        """Forward hooks on the units' modules and on the checkpointed ones; returns their handles."""
-        choice = choose_units(model, config)
-        handles = hook_units(model, choice, self._enter, self._leave)
-        names = chosen_modules(model, config.activation_checkpointing, unit_members(choice), warn=False)
-        for name in names if config.activation_checkpointing else []:
-            module = model.get_submodule(name)
-            handles.append(module.register_forward_pre_hook(lambda *_: self._checkpointed(+1)))
-            handles.append(module.register_forward_hook(lambda *_: self._checkpointed(-1)))
-        return handles
-
-    def _enter(self, path: str) -> None:
-        self.mark()
-        self.running.append(path)
-        if path not in self.order:
-            self.order.append(path)
-
-    def _leave(self) -> None:
-        self.mark()
-        self.running.pop()
-
-    def _checkpointed(self, step: int) -> None:
-        self.mark()
-        self.checkpointed += step
-
-    def trace(self, work: WorkMode, seconds: float) -> ComputeTrace:
-        """The units' work, and the heaviest ops of ``work`` for the rate probes."""
-        self.mark()
-        units = [ROOT, *self.order]
-        by_unit = {name: UnitWork(self.forward.get(name, Work()), self.recompute.get(name, Work())) for name in units}
-        by_unit[ROOT] = dataclasses.replace(by_unit[ROOT], lead=self.lead)
-        memory_ops = sorted(work.memory_ops.values(), key=lambda op: -op.bytes)[:HEAVIEST]
-        flop_ops = sorted(work.flop_ops.values(), key=lambda op: -op.flops)[:HEAVIEST]
-        return ComputeTrace(by_unit, dict(work.matmuls), seconds, memory_ops=memory_ops, flop_ops=flop_ops)
-
-
-# ---- the traces ----
-
-
-def trace_compute(
-    model: nn.Module, make_batch: Callable[[], Any], steps: list[Step], precision: str, config: ShardLabConfig
-) -> ComputeTrace:
-    """One micro-batch of ``model`` (its tensors are not read) through the first of ``steps`` that runs under fake
-    tensors, its work counted by unit of ``config``'s policy; ``make_batch()`` runs inside the fake mode. A model that
-    does not run gives a trace whose ``error`` says why."""
-    began = time.perf_counter()
-
-    def run(step: Step, mode: FakeTensorMode, _: set[int]) -> ComputeTrace:
-        flops = FlopCounterMode(display=False, custom_mapping={CPU_ATTENTION: _attention_flops})
-        work = WorkMode()
-        units = _ByUnit(lambda: Work(float(flops.get_total_flops()), float(work.bytes), float(work.ops)))
-        handles = units.hook(model, config)
-        try:
-            with mode, torch.enable_grad(), computing(precision):
-                batch = make_batch()
-                with flops, work:
-                    units.last = units.read()
-                    step(model, batch)
-        finally:
-            for handle in handles:
-                handle.remove()
-        return units.trace(work, time.perf_counter() - began)
-
-    try:
-        return first_step_that_runs(model, steps, precision, run)[0]
-    except Untraced as err:
-        return ComputeTrace(seconds=time.perf_counter() - began, error=str(err), why=err.why)
-
-
-def unit_flops_for_batch(clone: nn.Module, batch: Any, config: ShardLabConfig, precision: str) -> ComputeTrace:
-    """The run's first batch (only its shapes and dtypes matter) through ``clone`` (budget/predicted/
-    activation_prediction.py's ``meta_clone`` of the module, taken before sharding): its work per micro-batch by unit of
-    the run's own units. ``.flops()`` gives the forward FLOPs per unit; ``.error`` says why when it did not run."""
-    return trace_compute(clone, lambda: fake_like(batch), steps_for(clone), precision, config)
-
-
-def trace_plan_compute(
-    model: nn.Module, micro_batch_size: int, seq_len: int, precision: str, config: ShardLabConfig
-) -> ComputeTrace:
-    """A plan's micro-batch of token ids (``micro_batch_size`` x ``seq_len``) through a meta-device model."""
-    return trace_compute(
-        model, lambda: token_batch(model, micro_batch_size, seq_len), steps_for(model), precision, config
-    )
 
 
 # ---- the optimizer's step ----

@@ -2,7 +2,7 @@
 
 ``time_predicted_for_run`` reads the run's units in their forward order, their layouts, its mesh, options and
 optimizer's class, and plays one optimizer step (step_time.py) on the first batch's work traced through the budget's
-meta copy (compute_trace.py). It adds no collective and reads no clock of the run: the link is given or measured once
+meta copy (forward_trace.py). It adds no collective and reads no clock of the run: the link is given or measured once
 per process by two gloo ranks of its own (a GPU run takes the NVLink preset), the rate given or measured once per
 process on the run's device (compute_rate.py).
 """
@@ -77,7 +77,7 @@ def run_rate(sharded: ShardedModel, compute: ComputeTrace | None) -> ComputeRate
 
 def time_predicted_for_run(
     sharded: ShardedModel,
-    unit_flops: ComputeTrace | dict[str, float] | None,
+    compute: ComputeTrace | None,
     micro_batches: int,
     precision: str,
     *,
@@ -89,12 +89,11 @@ def time_predicted_for_run(
     ranks_here: int = 1,
     link_share: float = 1.0,
 ) -> dict[str, Any]:
-    """This rank's seconds per optimizer step predicted (``predict_step_time``) for the run: ``unit_flops`` its first
-    batch's work (``unit_flops_for_batch``, or forward FLOPs per unit); ``link`` (default: ``default_link``; ``inter``
+    """This rank's seconds per optimizer step predicted (``predict_step_time``) for the run: ``compute`` its first
+    batch's work (first_batch.py's ``work_predicted``); ``link`` (default: ``default_link``; ``inter``
     across shard groups, default ``link``); ``rate`` (default: measured here, shared by the ``ranks_here`` ranks of
     this machine: ``sharing_cores``). ``{"error": why}`` when there is nothing to predict from. Adds no collective:
     call it on any rank, at any time."""
-    compute = ComputeTrace.of_flops(unit_flops) if isinstance(unit_flops, dict) else unit_flops
     if compute is None or compute.error:
         why = compute.error if compute is not None else "the first batch was not traced"
         short = f"the first batch did not trace: {compute.why}" if compute is not None else "no batch was traced"

@@ -16,14 +16,11 @@ from typing import Any
 
 import torch
 
-from lightning_shardlab.budget.predicted.activation_trace import STEPS, ActivationTrace, token_batch, trace_activations
 from lightning_shardlab.budget.predicted.compute_rate import ComputeRate
-from lightning_shardlab.budget.predicted.compute_trace import (
-    ComputeTrace,
-    optimizer_work,
-    trace_plan_compute,
-)
+from lightning_shardlab.budget.predicted.compute_trace import ComputeTrace, optimizer_work
 from lightning_shardlab.budget.predicted.engine_schedule import UnitBytes
+from lightning_shardlab.budget.predicted.fake_step import STEPS, token_batch
+from lightning_shardlab.budget.predicted.forward_trace import ActivationTrace, ForwardTrace, trace_forward
 from lightning_shardlab.budget.predicted.optimizer_peak import planned_optimizer, planned_step_temporaries
 from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, plan_model, plan_policy
 from lightning_shardlab.budget.predicted.step_time import Links, basis, predict_step_time
@@ -83,25 +80,21 @@ class Setting:
         )  # fmt: skip
         return self._once(("plan", link, inter, device_memory, *sorted(changes.items())), make)
 
-    def activations(self, micro_batch_size: int | None = None) -> ActivationTrace:
-        """What one micro-batch saves, without and with checkpointing (activation_trace.py)."""
+    def trace(self, micro_batch_size: int | None = None) -> ForwardTrace:
+        """One micro-batch's forward, what it saves and does (forward_trace.py); ``Untraced`` if it does not run."""
         b = micro_batch_size or self.micro_batch_size
-        make = functools.partial(trace_activations, self.model, b, self.seq_len, self.precision, config=self.config)
-        return self._once(("activations", b), make)
+        make = functools.partial(trace_forward, self.model, b, self.seq_len, self.precision, config=self.config)
+        return self._once(("trace", b), make)
+
+    def activations(self, micro_batch_size: int | None = None) -> ActivationTrace:
+        """What one micro-batch saves, without and with checkpointing."""
+        return self.trace(micro_batch_size).activations
 
     def compute(self, micro_batch_size: int | None = None, **changes: Any) -> ComputeTrace:
-        """One micro-batch's work by unit (compute_trace.py), the checkpointed modules' recomputation with it;
-        ``ValueError`` if it does not run."""
-        b = micro_batch_size or self.micro_batch_size
+        """One micro-batch's work by unit, the checkpointed modules' recomputation with it if ``changes`` check
+        point."""
         config, _, _ = self.changed(**changes)
-        make = functools.partial(trace_plan_compute, self.model, b, self.seq_len, self.precision, config)
-        trace = self._once(("compute", b, bool(config.activation_checkpointing)), make)
-        if trace.error:
-            raise ValueError(
-                f"{type(self.model).__name__} did not run one micro-batch ({b} x {self.seq_len}) under fake tensors:"
-                f" {trace.error}. HINT: check --seq-len against the model's context."
-            )
-        return trace
+        return self.trace(micro_batch_size).work.checkpointed(bool(config.activation_checkpointing))
 
     def timeline(self, micro_batch_size: int | None = None, **changes: Any) -> StepTimeline:
         """One micro-batch's live bytes on the engine's schedule (step_timeline.py; NCCL: no receive rooms)."""

@@ -1,7 +1,7 @@
 """The step's peak predicted for the run itself, beside the one measured (budget/measured/step_peak.py).
 
 At the first training batch, that batch (made fake: only its shapes and dtypes matter) runs through the module's
-meta copy (budget/predicted/activation_prediction.py) on the engine's schedule (budget/predicted/step_timeline.py),
+meta copy (budget/predicted/first_batch.py) on the engine's schedule (budget/predicted/step_timeline.py),
 each unit's bytes read from the run's own layouts and, on gloo, its wire's receive rooms. The peak is the model
 state the layout keeps on the device + the busiest moment of that timeline or of the optimizer's step
 (budget/predicted/optimizer_peak.py).
@@ -13,8 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from lightning_shardlab.budget.predicted.activation_trace import STEPS, fake_like
 from lightning_shardlab.budget.predicted.engine_schedule import UnitBytes, no_rooms
+from lightning_shardlab.budget.predicted.fake_step import STEPS, fake_like
 from lightning_shardlab.budget.predicted.step_timeline import PlannedPeak, StepTimeline, step_timeline
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 

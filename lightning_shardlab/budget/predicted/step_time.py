@@ -13,7 +13,7 @@ timeline picture's events (``timeline``), so one model serves the run's predicti
 (budget/timeline_picture.py). How each part is priced (docs/budget.md, "The time per step"): a collective at its
 link's ring bound, one call per flat parameter sized as ``predict_traffic`` counts it, gathers and reduce-scatters
 inside the shard group, all-reduces across replicas, each call's cost to its rank paid as compute where compute runs
-while it flies, else in its wait (clocks.py); compute from each unit's traced work (compute_trace.py) at a rate
+while it flies, else in its wait (clocks.py); compute from each unit's traced work (forward_trace.py) at a rate
 (compute_rate.py), the root's ``lead`` (embeddings) before the units and its backward last; the optimizer's traced
 kernels at memory bandwidth; ``data`` 0 unless given, ``waiting_for_ranks`` 0 (the ranks are taken to be equal).
 

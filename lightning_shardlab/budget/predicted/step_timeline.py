@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_shardlab.budget.measured.activations import ROOT
-from lightning_shardlab.budget.predicted.activation_trace import computing, fake_parameters, training, unit_members
 from lightning_shardlab.budget.predicted.engine_schedule import EngineStandIn, Schedule, StandInUnit, UnitBytes
+from lightning_shardlab.budget.predicted.fake_step import computing, fake_parameters, training, unit_members
 from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.core.display import size
 from lightning_shardlab.sharding import checkpointing, hooks

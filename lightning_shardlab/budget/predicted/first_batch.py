@@ -1,12 +1,12 @@
-"""The budget's prediction of activations for the run itself: its first batch traced under fake tensors.
+"""The run's first batch traced: what the budget predicts its activations and its work from.
 
-``ShardLabBudget`` sets the measured saved-for-backward bytes (budget/measured/activations.py) beside a prediction made
-without running the model (budget/predicted/activation_trace.py): before the strategy shards the module, ``meta_clone``
-copies it with every tensor on the meta device (no data copied, none of the engine's hooks); at the first training
-batch, that batch (made fake) goes through the clone's step. Units and checkpointed modules come from the run's own
-options, so prediction and measurement count the same tensors the same way. A model built in ``configure_model`` has
-no layers yet when the clone is taken, and a manual-optimisation step is not run: where nothing traces, the prediction
-says why, in full (``error``) and in a few words (``why``).
+``ShardLabBudget`` sets the measured saved-for-backward bytes (budget/measured/activations.py) and time beside
+predictions made without running the model (budget/predicted/forward_trace.py): before the strategy shards the
+module, ``meta_clone`` copies it with every tensor on the meta device (no data copied, none of the engine's hooks); at
+the first training batch, that batch (made fake) goes once through the clone's step. Units and checkpointed modules
+come from the run's own options, so prediction and measurement count the same tensors the same way. A model built in
+``configure_model`` has no layers yet when the clone is taken, and a manual-optimisation step is not run: where
+nothing traces, the prediction says why, in full (``error``) and in a few words (``why``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_shardlab.budget.predicted.activation_trace import fake_like, trace_activations
+from lightning_shardlab.budget.predicted.compute_trace import ComputeTrace
+from lightning_shardlab.budget.predicted.fake_step import fake_like
+from lightning_shardlab.budget.predicted.forward_trace import ForwardTrace, trace_forward
 from lightning_shardlab.budget.predicted.step_stand_ins import TrainerView, in_words
 from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.sharding import checkpointing
@@ -54,16 +56,23 @@ def meta_clone(module: nn.Module) -> nn.Module:
     return clone
 
 
-def predict_for_batch(clone: nn.Module, batch: Any, config: ShardLabConfig, precision: str) -> dict[str, Any]:
-    """The saved-for-backward bytes of ``clone`` on a batch shaped like ``batch``, by unit, as the run keeps them
-    (with its checkpointed modules keeping only their inputs); ``{"error": why}`` when it does not trace."""
+def trace_first_batch(clone: nn.Module, batch: Any, config: ShardLabConfig, precision: str) -> ForwardTrace | Exception:
+    """``clone``'s forward on a batch shaped like ``batch``, by the run's units (forward_trace.py); why not, in full,
+    when it does not trace."""
     first = next((t.shape for t in tree_leaves(batch) if isinstance(t, torch.Tensor)), torch.Size())
     shape = (first[0] if len(first) > 0 else 1, first[1] if len(first) > 1 else 1)
     try:
-        trace = trace_activations(clone, *shape, precision, config=config, make_inputs=lambda *_: fake_like(batch))
+        return trace_forward(clone, *shape, precision, config=config, make_inputs=lambda *_: fake_like(batch))
     except (ValueError, RuntimeError, TypeError) as err:
-        return {"error": f"{type(err).__name__}: {err}", "why": getattr(err, "why", None) or in_words(err)}
-    checkpointing = bool(config.activation_checkpointing)
+        return err
+
+
+def activations_predicted(traced: ForwardTrace | Exception, config: ShardLabConfig) -> dict[str, Any]:
+    """The saved-for-backward bytes by unit, as the run keeps them (with its checkpointed modules keeping only their
+    inputs); ``{"error": why}`` when the batch did not trace."""
+    if isinstance(traced, Exception):
+        return _failed(traced)
+    trace, checkpointing = traced.activations, bool(config.activation_checkpointing)
     by_unit = trace.checkpointed_by_unit if checkpointing else trace.by_unit
     return {
         "by_unit": {name: nbytes for name, nbytes in by_unit.items() if nbytes or name == "root"},
@@ -72,3 +81,16 @@ def predict_for_batch(clone: nn.Module, batch: Any, config: ShardLabConfig, prec
         "seconds": trace.seconds,
         "step": trace.step,  # what ran: "training_step" or "forward"
     }
+
+
+def work_predicted(traced: ForwardTrace | Exception, config: ShardLabConfig) -> ComputeTrace:
+    """The work of one micro-batch by unit, as the run does it (its checkpointed modules recomputed or not); a trace
+    whose ``error`` says why when the batch did not trace."""
+    if isinstance(traced, Exception):
+        return ComputeTrace(**_failed(traced))
+    return traced.work.checkpointed(bool(config.activation_checkpointing))
+
+
+def _failed(err: Exception) -> dict[str, str]:
+    """Why the batch did not trace: in full (``error``), and in a few words for the tables (``why``)."""
+    return {"error": f"{type(err).__name__}: {err}", "why": getattr(err, "why", None) or in_words(err)}

@@ -1,36 +1,29 @@
-"""Activations predicted: one micro-batch of the user's own module traced under fake tensors, nothing allocated.
+"""The user's own step run under fake tensors: a batch of the right shapes, the step's loss, the module's parameters
+faked for the run's precision, and the units' forward hooks, shared by what a trace counts (forward_trace.py) and by
+the step's timeline (step_timeline.py).
 
-One training forward (``training_step`` when it runs under fake tensors, else ``forward`` and a loss) of a model on
-the meta device runs under ``FakeTensorMode``: shapes only, so a 7B-shaped model traces in about a second. A pack
-hook counts each tensor autograd saves as the run's meter does (budget/measured/activations.py), charged to the
-innermost unit whose forward runs (else the root), in the run's precision (common/precision.py). Checkpointing
-changes what is kept, not what is computed, so one trace serves both: a checkpointed module keeps only its tensor
-inputs, and its backward recomputes what it saved less those inputs (``recompute_peak``: the largest). The helpers
-that run a user's step under fake tensors live here (compute_trace.py and step_timeline.py use them). Kernels are
-the CPU's: where a GPU picks one that saves differently (attention's math fallback), the figure follows the CPU.
+The step is the LightningModule's own ``training_step`` when it runs under fake tensors (what it logs, reads of its
+trainer and ``.item()`` stood in for: step_stand_ins.py), else ``forward`` and a loss. A model on the meta device runs
+under ``FakeTensorMode``: shapes only, nothing allocated, so a 7B-shaped model runs in about a second.
 """
 
 from __future__ import annotations
 
 import inspect
-import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
-from lightning_shardlab.budget.measured.activations import ROOT, SavedBytes, storage_key
+from lightning_shardlab.budget.measured.activations import storage_key
 from lightning_shardlab.budget.predicted.step_stand_ins import in_words, standing_in
-from lightning_shardlab.core.config import ShardLabConfig
-from lightning_shardlab.sharding.checkpointing import chosen_modules
-from lightning_shardlab.sharding.policy import UnitChoice, choose_units
+from lightning_shardlab.sharding.policy import UnitChoice
 
 MakeInputs = Callable[[nn.Module, int, int], Any]  # (model, micro-batch size, sequence length) -> a batch
 Step = Callable[[nn.Module, Any], Tensor]  # (model, batch) -> the loss
@@ -48,42 +41,6 @@ class Untraced(ValueError):
         self.why = why
 
 
-@dataclass
-class ActivationTrace:
-    """What one micro-batch's forward saves for backward, by unit (the root first, then the units in order)."""
-
-    micro_batch_size: int
-    seq_len: int
-    precision: str
-    step: str  # what ran: "training_step" or "forward"
-    by_unit: dict[str, int]  # bytes saved, without checkpointing
-    checkpointed_by_unit: dict[str, int]  # bytes saved with the checkpointed modules keeping only their inputs
-    recompute_by_unit: dict[str, int]  # per unit: the largest recomputation of one of its checkpointed modules
-    checkpointed: list[str] = field(default_factory=list)  # the checkpointed modules' names
-    seconds: float = 0.0  # how long the trace took
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_unit.values())
-
-    @property
-    def checkpointed_total(self) -> int:
-        return sum(self.checkpointed_by_unit.values())
-
-    @property
-    def recompute_peak(self) -> int:
-        return max(self.recompute_by_unit.values(), default=0)
-
-    def saved(self, checkpointing: bool) -> int:
-        """Bytes kept for backward at its start: with checkpointing, the modules' inputs in place of their insides."""
-        return self.checkpointed_total if checkpointing else self.total
-
-    def fields(self) -> dict[str, Any]:
-        """The plan's ``activations``: the figures with their totals, each unit's recomputation left out."""
-        names = "micro_batch_size seq_len precision step by_unit total checkpointed_by_unit checkpointed_total"
-        return {name: getattr(self, name) for name in (*names.split(), "recompute_peak", "checkpointed", "seconds")}
-
-
 # ---- the batch and the loss, for token models unless the caller gives its own ----
 
 
@@ -97,7 +54,7 @@ def vocab_size(model: nn.Module) -> int:
     if embedding is None:
         raise ValueError(
             f"{type(model).__name__} names no vocabulary size (no config.vocab_size, no hparams, no nn.Embedding)."
-            " HINT: pass make_inputs= (and step=) to trace_activations."
+            " HINT: pass make_inputs= (and step=) to trace_forward."
         )
     return embedding.num_embeddings
 
@@ -212,66 +169,6 @@ def computing(precision: str) -> Iterator[None]:
         yield
 
 
-# ---- the counting ----
-
-
-class _Ledgers:
-    """The three counts one trace keeps: without checkpointing, with it, and each checkpointed module's recompute."""
-
-    def __init__(self, model: nn.Module, choice: UnitChoice, checkpointed: list[str], params: set[int]) -> None:
-        self.params = params
-        self.plain = SavedBytes(params)
-        self.kept = SavedBytes(params)  # with checkpointing
-        self.recompute: dict[str, int] = {}  # unit -> its largest checkpointed module's recompute
-        self.running: list[str] = []  # the units whose forward runs, innermost last
-        self.inside: list[tuple[str, SavedBytes]] = []  # the outermost checkpointed module running, its count
-        self.held: list[Tensor] = []  # every tensor packed, until the trace ends
-        self.handles = hook_units(model, choice, self.running.append, self.running.pop)
-        for name in checkpointed:
-            module = model.get_submodule(name)
-            self.handles.append(module.register_forward_pre_hook(self._enter_checkpointed, with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._leave_checkpointed))
-
-    @property
-    def current(self) -> str:
-        return self.running[-1] if self.running else ROOT
-
-    def _enter_checkpointed(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        inputs = [a for a in tree_leaves((args, kwargs)) if isinstance(a, Tensor)]
-        depth = len(self.inside)
-        if depth == 0 and torch.is_grad_enabled():
-            for tensor in inputs:
-                self.kept.add(self.current, tensor)
-        own = SavedBytes(self.params | {storage_key(t) for t in inputs})
-        self.inside.append((self.current, own) if depth == 0 else self.inside[-1])
-
-    def _leave_checkpointed(self, module: nn.Module, args: Any, output: Any) -> None:
-        unit, own = self.inside.pop()
-        if not self.inside:
-            self.recompute[unit] = max(self.recompute.get(unit, 0), own.total)
-
-    def pack(self, tensor: Tensor) -> None:
-        """Count ``tensor``, and hold it here until the trace ends (so no storage is freed and its identity reused
-        while storages are being told apart), not in autograd's node: no backward follows a trace, and a tensor
-        packed there would hold its own graph in a cycle through autograd's nodes that Python cannot collect."""
-        self.held.append(tensor)
-        self.plain.add(self.current, tensor)
-        if self.inside:
-            self.inside[-1][1].add(self.current, tensor)
-        else:
-            self.kept.add(self.current, tensor)
-        return None
-
-    def remove(self) -> None:
-        self.held.clear()
-        for handle in self.handles:
-            handle.remove()
-
-
-def _unpack(packed: None) -> Tensor:
-    raise RuntimeError("a traced forward has no backward: fake tensors are counted, not kept")
-
-
 def unit_members(choice: UnitChoice) -> dict[str, str]:
     """The name of each module of a non-root unit -> that unit's name (sharding/checkpointing.py's ``units``)."""
     return {member: path for path in choice.paths[1:] for member in choice.modules_of(path)}
@@ -309,57 +206,3 @@ def first_step_that_runs(
                 errors.append(f"{getattr(step, '__name__', step)}: {type(err).__name__}: {err}")
                 first = first or err
     raise Untraced("; ".join(errors), in_words(first) if first is not None else "nothing to run")
-
-
-def trace_activations(
-    model: nn.Module,
-    micro_batch_size: int,
-    seq_len: int,
-    precision: str = "32-true",
-    *,
-    config: ShardLabConfig | None = None,
-    make_inputs: MakeInputs | None = None,
-    step: Step | None = None,
-) -> ActivationTrace:
-    """The bytes autograd saves for backward in one micro-batch of ``model`` (its tensors are not read), by unit of
-    ``config``'s policy, without and with activation checkpointing (``config.activation_checkpointing``'s modules, else
-    every unit's). ``make_inputs(model, B, T)`` makes the batch inside the fake mode (default: token ids and targets);
-    ``step(model, batch)`` returns the loss (default: ``steps_for``). ``Untraced`` when the model does not run."""
-    config = config or ShardLabConfig()
-    choice = choose_units(model, config)
-    option = getattr(config, "activation_checkpointing", False) or True
-    checkpointed = chosen_modules(model, option, unit_members(choice), warn=False)
-    began = time.perf_counter()
-
-    def run(attempt: Step, mode: FakeTensorMode, params: set[int]) -> _Ledgers:
-        ledgers = _Ledgers(model, choice, checkpointed, params)
-        try:
-            with mode, torch.enable_grad(), computing(precision):
-                batch = (make_inputs or token_batch)(model, micro_batch_size, seq_len)
-                with torch.autograd.graph.saved_tensors_hooks(ledgers.pack, _unpack):
-                    attempt(model, batch)
-            return ledgers
-        finally:
-            ledgers.remove()
-
-    try:
-        ledgers, attempt = first_step_that_runs(model, [step] if step is not None else steps_for(model), precision, run)
-    except Untraced as err:
-        raise Untraced(
-            f"{type(model).__name__} did not run one micro-batch ({micro_batch_size} x {seq_len}) under fake"
-            f" tensors: {err}. HINT: check --seq-len against the model's context; or give trace_activations a"
-            " make_inputs= and step= for this model.",
-            err.why,
-        ) from None
-    order = [ROOT, *choice.paths[1:]]
-    return ActivationTrace(
-        micro_batch_size=micro_batch_size,
-        seq_len=seq_len,
-        precision=precision,
-        step=next((name for name, known in STEPS.items() if known is attempt), "step"),
-        by_unit={name: ledgers.plain.by_unit.get(name, 0) for name in order},
-        checkpointed_by_unit={name: ledgers.kept.by_unit.get(name, 0) for name in order},
-        recompute_by_unit=dict(ledgers.recompute),
-        checkpointed=checkpointed,
-        seconds=time.perf_counter() - began,
-    )
