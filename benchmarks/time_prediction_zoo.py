@@ -3,6 +3,7 @@ gradient accumulation, on 2 CPU ranks (and 4, with --four).
 
     python -m benchmarks.time_prediction_zoo                 # -> the zoo's section of benchmarks/TIME_PREDICTION.md
     python -m benchmarks.time_prediction_zoo --quick         # 4 steps a run, printed only
+    python -m benchmarks.time_prediction_zoo --repeats 3     # each fit 3 times: medians, and how far repeats spread
 
 Models: a tiny stack whose step is mostly per-op and per-unit costs (time_prediction.py's ``tiny_stack``), the
 README example's GPT (4 blocks, width 128, 128 tokens, batch 16), Hugging Face GPT-2 and Llama built from small
@@ -11,7 +12,10 @@ expert takes the tokens it scores highest, a fixed number, so every shape is sta
 ``ShardLabBudget`` (one unit per block); the variants of a model run in the same ranks, one after another, each model
 in ranks of its own.
 A row is rank 0's measured / predicted step and every part above 10 % of the measured step; "misses" names the
-part whose measured time is furthest above or below its prediction. Rows: the worst step first.
+part whose measured time is furthest above or below its prediction. With repeats (the models' ranks started again
+for each), each figure is the median over them, the step's ratio in each repeat is given in brackets, and "spread" is
+the slowest repeat's measured step over the fastest's: what this machine's noise does to one fit. Rows: the worst
+step first.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import io
 import math
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -243,6 +248,22 @@ def run_rank(models: list[str], steps: int, out: str) -> list[dict]:
     return rows
 
 
+def merged(runs: list[list[dict]]) -> list[dict]:
+    """The repeats' rows (the same fits in the same order) as one row each: every part's median, measured and
+    predicted; the step's ratio in each repeat (``ratios``) and the spread of the measured step."""
+    rows = []
+    for same in zip(*runs):
+        row = dict(same[0])
+        for side in ("measured", "predicted"):
+            if all("error" not in r[side] for r in same):
+                keys = [k for k, v in same[0][side].items() if isinstance(v, (int, float))]
+                row[side] = {k: statistics.median(r[side][k] for r in same) for k in keys}
+        steps = [r["measured"]["step"] for r in same]
+        row["ratios"], row["spread"] = [ratio(r, "step") for r in same], max(steps) / min(steps)
+        rows.append(row)
+    return rows
+
+
 def ratio(row: dict, key: str) -> float | None:
     predicted = row["predicted"].get(key)
     return row["measured"][key] / predicted if predicted else None
@@ -261,19 +282,24 @@ def table(rows: list[dict]) -> list[str]:
         return abs(math.log(r)) if r else math.inf
 
     lines = [
-        "| model | ranks | stage | micro-batches | step ms measured (predicted) | measured / predicted |"
+        "| model | ranks | stage | micro-batches | step ms measured (predicted) | measured / predicted | spread |"
         " parts above 10 %: measured / predicted | misses |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in sorted(rows, key=badness, reverse=True):
         m, p = row["measured"], row["predicted"]
         head = f"| {row['model']} | {row['ranks']} | {row['stage']} | {row['micro_batches']} |"
         if "error" in p:
-            lines.append(f"{head} {m['step'] * 1e3:.1f} (-) | - | not predicted: {p.get('why') or p['error']} | - |")
+            lines.append(
+                f"{head} {m['step'] * 1e3:.1f} (-) | - | - | not predicted: {p.get('why') or p['error']} | - |"
+            )
             continue
         big = [k for k in PARTS if m[k] > 0.1 * m["step"]]
         parts = ", ".join(f"{k} {ratio(row, k):.2f}" if ratio(row, k) else f"{k} (not predicted)" for k in big)
-        step = f"{m['step'] * 1e3:.1f} ({p['step'] * 1e3:.1f}) | {ratio(row, 'step'):.2f}"
+        each = row.get("ratios", [])
+        repeats = f" ({', '.join(f'{r:.2f}' for r in each if r)})" if len(each) > 1 else ""
+        spread = f"x{row['spread']:.2f}" if len(each) > 1 else "-"
+        step = f"{m['step'] * 1e3:.1f} ({p['step'] * 1e3:.1f}) | {ratio(row, 'step'):.2f}{repeats} | {spread}"
         lines.append(f"{head} {step} | {parts} | {misses(row)} |")
     return lines
 
@@ -292,22 +318,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--four", action="store_true", help="also 4 ranks")
     p.add_argument("--models", nargs="*", choices=MODELS, default=list(MODELS))
+    p.add_argument("--repeats", type=int, default=1, help="each fit this many times, the models interleaved")
     args = p.parse_args(argv)
     steps, began, load = 4 if args.quick else args.steps, time.perf_counter(), os.getloadavg()[0]
-    rows = []
-    for world in (2, 4) if args.four else (2,):
-        for model in args.models:  # fresh ranks for each model: fits run in one process slow down one after another
-            kwargs = {"models": [model], "steps": steps, "out": "/tmp/time_prediction_zoo"}
-            rows += run_ranks(run_rank, world, kwargs)[0]
+    runs: list[list[dict]] = [[] for _ in range(args.repeats)]
+    for rows in runs:
+        for world in (2, 4) if args.four else (2,):
+            for model in args.models:  # fresh ranks for each model: fits in one process slow down one after another
+                kwargs = {"models": [model], "steps": steps, "out": "/tmp/time_prediction_zoo"}
+                rows += run_ranks(run_rank, world, kwargs)[0]
+    rows = merged(runs)
     within = sum(1 for r in rows if ratio(r, "step") and 0.75 <= ratio(r, "step") <= 1.33)
+    every = sum(1 for r in rows if all(x and 0.75 <= x <= 1.33 for x in r["ratios"]))
     text = "\n".join([
         SECTION, "",
-        f"Command: `python -m benchmarks.time_prediction_zoo --steps {steps}{' --four' if args.four else ''}`"
+        f"Command: `python -m benchmarks.time_prediction_zoo --steps {steps}{' --four' if args.four else ''}"
+        f"{f' --repeats {args.repeats}' if args.repeats > 1 else ''}`"
         f" ({time.strftime('%Y-%m-%d')}, {time.perf_counter() - began:.0f} s). Machine: {machine()}; load average"
         f" {load:.1f} before, {os.getloadavg()[0]:.1f} after (other processes share the cores: the runs' ranks get"
         " less of them than the rate probes, which run one rank at a time, and the steps are measured slower).", "",
         __doc__.split("\n\n", 2)[2].strip(), "",
-        f"{within} of {len(rows)} rows within 0.75-1.33 for the step (the goal: all).", "",
+        f"{within} of {len(rows)} rows within 0.75-1.33 for the step (the goal: all)"
+        + (f"; {every} within in every repeat." if args.repeats > 1 else "."), "",
         *table(rows), "", READING,
     ])  # fmt: skip
     print(text)
