@@ -4,6 +4,7 @@ One 4-rank run serves the matrix: Lightning DDP on 4 ranks is the reference, the
 
     2x2 stage 1, 2x2 stage 2, 2x2 stage 3     two shard groups of 2 ranks, replicas of each other
     1x4 stage 3, reshard_after_forward=2      one shard group of 4; backward gathers inside pairs
+    1x4 stage 3, reshard_after_forward=False  every unit kept gathered from its forward to its backward
 
 each trained from the same initial weights on the same batches: losses every step, grad norms and final
 weights equal DDP's (fp32 tolerance). Every rank also checks, from its ledger, the exact collectives of a
@@ -28,7 +29,7 @@ from torch.testing import assert_close
 
 from lightning_shardlab import ShardLabStrategy
 from lightning_shardlab.budget.measured.memory import measure_memory
-from lightning_shardlab.budget.predicted.zero_table import predict_gathered_peak
+from lightning_shardlab.budget.predicted.engine_schedule import Schedule, gathered_peak
 from lightning_shardlab.guard.divergence import DivergenceError
 from tests.helpers.launch import run_ranks
 from tests.helpers.reference import FP32
@@ -42,6 +43,7 @@ CONFIGS = {
     "2x2 stage 2": ("regression", {"stage": 2, "shard_group_size": 2, **PER_BLOCK}),
     "2x2 stage 3": ("regression", {"stage": 3, "shard_group_size": 2, **PER_BLOCK}),
     "1x4 stage 3, reshard groups of 2": ("gpt", {"stage": 3, "reshard_after_forward": 2, **PER_BLOCK}),
+    "1x4 stage 3, kept gathered": ("gpt", {"stage": 3, "reshard_after_forward": False, **PER_BLOCK}),
 }
 MODELS = {
     "regression": (lambda: RegressionNet("sgd"), lambda: regression_dataset(GLOBAL_BATCH * STEPS_PER_EPOCH)),
@@ -113,7 +115,8 @@ def _expected_calls(trainer: L.Trainer) -> dict[tuple[str, str], tuple[int, int]
     """A steady-state step's collectives (all_gather, reduce_scatter, all_reduce) by (scope, kind), with their
     full-tensor bytes, from the layout: stages 1-2 reduce-scatter each flat parameter and all-gather it after
     the step; stage 3 gathers the root and the unit that runs forward last once, every other unit twice (the
-    second, before its backward, in the reshard group when there is one); hybrid all-reduces each gradient
+    second, before its backward, in the reshard group when there is one), unless kept gathered
+    (``reshard_after_forward=False``); hybrid all-reduces each gradient
     shard across the replica group; the world agrees on unused parameters, the shard group on the grad norm."""
     sharded = trainer.strategy.sharded
     mesh, stage3 = sharded.mesh, int(sharded.config.stage) == 3
@@ -134,7 +137,8 @@ def _expected_calls(trainer: L.Trainer) -> dict[tuple[str, str], tuple[int, int]
                     add("replica", "all_reduce", fp.layout.shard_numel * 4)
             if stage3 or fp.layout.requires_grad:
                 add(inside, "all_gather", full)
-            if stage3 and not unit.is_root and unit is not last:
+            resharded = sharded.config.reshard_after_forward and not unit.is_root and unit is not last
+            if stage3 and resharded:  # gathered again for its backward
                 add("reshard" if mesh.regrouped else inside, "all_gather", full)
     add("world", "all_reduce", 4 * sum(len(fp.layout.slots) for fp in sharded.flat_params if fp.layout.requires_grad))
     add(inside, "all_reduce", 4)  # the grad norm ParityModule logs
@@ -171,7 +175,7 @@ def _report(trainer: L.Trainer, model: Any, calls: StepCalls) -> dict:
     sharded = trainer.strategy.sharded
     units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.forward_order}
     k = sharded.mesh.reshard.world_size if sharded.mesh.regrouped else None
-    peak = predict_gathered_peak(units, sharded.config.stage, sharded.policy, k)
+    peak = gathered_peak(units, sharded.policy, Schedule.of(sharded.config), k)
     assert calls.peaks[2:] == [peak] * len(calls.peaks[2:]), (calls.peaks, peak)
     return {
         "losses": torch.stack(model.losses).tolist(),

@@ -22,10 +22,10 @@ import torch
 
 from lightning_shardlab.budget.measured.memory import MEMORY_CATEGORIES
 from lightning_shardlab.budget.measured.tiers import offload_of, tier_report
+from lightning_shardlab.budget.predicted.engine_schedule import Schedule, gathered_peak
 from lightning_shardlab.budget.predicted.whole_tensor import state_bytes_predicted, whole_tensor_report
 from lightning_shardlab.budget.predicted.zero_table import (
     OptimizerShape,
-    predict_gathered_peak,
     predict_memory,
     predict_traffic,
 )
@@ -133,7 +133,7 @@ def rank_report(run: Run, measured: Measured) -> dict[str, Any]:
         "memory_measured": {k: measured.last[k] for k in (*MEMORY_CATEGORIES, "gathered_peak")},
         "memory_predicted": {
             **memory_predicted,
-            "gathered_peak": predict_gathered_peak(units, sharded.config.stage, sharded.policy, reshard),
+            "gathered_peak": gathered_peak(units, sharded.policy, Schedule.of(sharded.config), reshard),
         },
         "process_peak_bytes": process_peak_bytes(sharded.comm.device),
         "comm_per_step": comm,

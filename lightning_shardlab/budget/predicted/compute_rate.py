@@ -6,16 +6,19 @@
 **given** (cli/plan.py's ``preset_rate``): a named device's dense peak (zero_table.py's ``DEVICES``) x ``--mfu``, or
 ``--flops``, with its datasheet memory bandwidth (``MEMORY_BANDWIDTH``) and no per-kernel cost (a GPU queues kernels
 ahead of the ones running); or **measured** here (``measure_rate``) at the run's thread count, on the traced model's
-own work (what each probe runs: docs/budget.md, "The time per step"): its three heaviest matmul shapes (rows cut so
-one call stays under ~0.4 GFLOP on a CPU, 1 TFLOP on a GPU) and convolutions or attention for FLOP/s; its heaviest
+own work (what each probe runs: docs/budget.md, "The time per step"): for FLOP/s its heaviest matmul shapes (rows
+cut so one call stays under ~0.4 GFLOP on a CPU, 1 TFLOP on a GPU), convolutions and attention, as many as carry 95 %
+of its FLOPs (``flop_rate``); its heaviest
 memory-bound ops for bytes/s (``model_bandwidth``: on a CPU norms, softmax and casts run slower per byte than a
 copy); four tiny hooked blocks forward and backward for a kernel as a step dispatches it (``seconds_per_op``), and
 in-place multiplications under ``no_grad`` for one an optimizer dispatches (``seconds_per_bare_op``). Without a
 trace: a 512 x 512 x 512 matmul and a 64 MiB copy (1 GiB on a GPU).
 
-Each probe runs a warm-up call, then repeats until ~50 ms have passed (at most 5 calls), and keeps the median.
-They are cached per process, by device, dtype, shape and thread count: a run or a plan pays them once (about
-0.3 s on one CPU core; ``measure_rate`` returns the seconds it spent as ``probe_seconds``).
+Each probe runs a warm-up call, then at least 5 calls and more until ~50 ms have passed (at most 200), and keeps the
+median: a small op's five calls take microseconds, and their median moved by half from one process to the next.
+They are cached per process, by device, dtype, shape and thread count: a run or a plan pays them once (0.1-0.5 s
+for the models of benchmarks/TIME_PREDICTION.md on one CPU core; ``measure_rate`` returns the seconds it spent as
+``probe_seconds``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ MEMORY_BANDWIDTH = {  # bytes per second of device memory, from each vendor's da
 PROBE_FLOPS = {"cpu": 4e8, "cuda": 1e12}  # FLOPs: the most one timed matmul call may do
 PROBE_BYTES = {"cpu": 64 * 2**20, "cuda": 2**30}  # bytes: the copy timed for the memory bandwidth
 BUDGET = 0.05  # seconds: each probe repeats until this much has passed
+CALLS = (5, 200)  # the fewest and the most calls a probe times
+FLOP_SHARE, KINDS = 0.95, 8  # the FLOP rate times the heaviest kinds of op that carry this share of FLOPs, this many
 
 
 @dataclass(frozen=True)
@@ -87,13 +92,14 @@ class ComputeRate:
 
 
 def _median_seconds(call: Callable[[], object], device: torch.device) -> float:
-    """Median seconds of ``call()`` after a warm-up, repeated until ``BUDGET`` seconds pass (at most 5 calls)."""
+    """Median seconds of ``call()`` after a warm-up, repeated until ``BUDGET`` seconds pass (``CALLS``: within)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     call()
     sync(device)
     samples: list[float] = []
     began = time.perf_counter()
-    while len(samples) < 5 and (not samples or time.perf_counter() - began < BUDGET):
+    fewest, most = CALLS
+    while len(samples) < fewest or (len(samples) < most and time.perf_counter() - began < BUDGET):
         start = time.perf_counter()
         call()
         sync(device)
@@ -198,8 +204,9 @@ def model_bandwidth(ops: list[TracedOp], dev: torch.device) -> float | None:
 def flop_rate(
     matmuls: dict[tuple[int, int, int, int], float], flop_ops: list[TracedOp], dtype: torch.dtype, dev: torch.device
 ) -> float:
-    """FLOP/s of the model's own three heaviest FLOP-carrying shapes, matmuls (``matmul_rate``) and other ops
-    (convolutions, attention: ``call_seconds``), each weighted by the FLOPs it carries in the step; a square
+    """FLOP/s of the model's own FLOP-carrying shapes, matmuls (``matmul_rate``) and other ops (convolutions,
+    attention: ``call_seconds``): the heaviest that carry ``FLOP_SHARE`` of its FLOPs (at most ``KINDS``), each
+    weighted by the FLOPs it carries in the step, so that every kind's seconds add up as the step's do; a square
     512 x 512 x 512 matmul when none was traced (or none ran)."""
     threads = torch.get_num_threads()
 
@@ -210,7 +217,13 @@ def flop_rate(
         return lambda: (op.flops / max(op.calls, 1) / t) if (t := call_seconds(op, dev)) else None
 
     kinds = [(flops, matmul(shape)) for shape, flops in matmuls.items()] + [(op.flops, other(op)) for op in flop_ops]
-    timed = [(flops, rate) for flops, probe in sorted(kinds, key=lambda kv: -kv[0])[:3] if (rate := probe())]
+    total, carried, timed = sum(flops for flops, _ in kinds), 0.0, []
+    for flops, probe in sorted(kinds, key=lambda kv: -kv[0])[:KINDS]:
+        if carried >= FLOP_SHARE * total:
+            break
+        carried += flops
+        if rate := probe():
+            timed.append((flops, rate))
     timed = timed or [(1.0, matmul((1, 512, 512, 512))())]
     return sum(flops for flops, _ in timed) / sum(flops / rate for flops, rate in timed)
 

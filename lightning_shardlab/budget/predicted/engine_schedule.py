@@ -1,7 +1,8 @@
 """The engine's schedule on stand-in units: what ShardedModel (sharding/sharded_model.py) gathers, keeps, reduces and
 waits for at each of its hooks, on units of bytes and seconds. One model serves the step's peak and its time:
 step_timeline.py drives it by the very hooks the engine installs, under a fake step, and counts the bytes it holds;
-step_time.py drives it in the units' order and lets its ``Clock`` play every call on the links.
+step_time.py drives it in the units' order (``drive``) and lets its ``Clock`` play every call on the links; the
+gathered units' peak of a run's report and of a plan is its most gathered at once (``gathered_peak``).
 
 Per micro-batch (forward order = the units' order): at stage 3 the first unit's all-gather is launched as the step
 begins and the root's waited for at once; at unit k's pre-forward its gather is waited for and unit k+1's launched
@@ -22,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from lightning_shardlab.budget.measured.activations import ROOT
-from lightning_shardlab.core.config import PrecisionPolicy, Stage
+from lightning_shardlab.core.config import Accumulation, PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.sharded_model import MAX_REDUCTIONS_IN_FLIGHT
 from lightning_shardlab.sharding.unit import TrainingState
@@ -43,6 +44,12 @@ class Schedule:
     reshard_after_forward: bool | int = True
     defer: bool = False  # accumulation="defer": only the last micro-batch reduces
     prefetch: int = 1  # units gathered ahead (the engine: 1)
+
+    @staticmethod
+    def of(config: ShardLabConfig, prefetch: int = 1) -> Schedule:
+        """The schedule a run with ``config`` follows."""
+        defer = config.accumulation is Accumulation.DEFER
+        return Schedule(config.stage, config.reshard_after_forward, defer, prefetch)
 
 
 @dataclass(frozen=True)
@@ -222,3 +229,44 @@ class EngineStandIn:
             self.clock.wait_across(unit)
         self.in_flight.clear()
         self.sample("end of backward")
+
+
+def drive(engine: EngineStandIn, compute: Callable[[StandInUnit, str], None] = lambda unit, part: None) -> None:
+    """One micro-batch through the engine's hooks in the units' order, ``compute(unit, part)`` where each unit
+    computes: the root's ``lead`` (its forward before the units) and the rest of its ``forward`` after them; in
+    backward the root's first, its ``lead backward`` last."""
+    root, units = engine.root, engine.units[1:]
+    compute(root, "lead")
+    for unit in units:
+        engine.pre_forward(unit)
+        compute(unit, "forward")
+        engine.post_forward(unit)
+    compute(root, "forward")
+    engine.pre_backward(root)
+    compute(root, "backward")
+    for unit in units[::-1]:
+        engine.pre_backward(unit)
+        compute(unit, "backward")
+        engine.post_backward(unit)
+    compute(root, "lead backward")
+    engine.finish_backward()
+
+
+def gathered_peak(
+    units: dict[str, list[FlatParamLayout]],
+    policy: PrecisionPolicy,
+    plan: Schedule,
+    reshard_size: int | None = None,
+) -> int:
+    """Stage 3: the most bytes of full buffers (and, with ``reshard_size`` k, of group shards kept for backward) the
+    engine holds at once in a micro-batch, the root's included: the schedule driven in ``units``' order (the root
+    first, then in forward order). 0 at stages 1-2, whose full buffers are model state."""
+    held = [0]
+
+    def sample(*_: Any, **__: Any) -> None:
+        held.append(engine.gathered_bytes)
+
+    sizes = {name: UnitBytes.of(lays, plan.stage, policy, reshard_size=reshard_size) for name, lays in units.items()}
+    engine = EngineStandIn([StandInUnit(n, [], [], size, trains=False) for n, size in sizes.items()], plan, sample)
+    drive(engine)
+    return max(held)

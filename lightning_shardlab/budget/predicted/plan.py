@@ -17,6 +17,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_shardlab.budget.measured.tiers import plan_fields, predict_locations, predict_moves, split_by_tier
+from lightning_shardlab.budget.predicted.engine_schedule import Schedule, gathered_peak
 from lightning_shardlab.budget.predicted.option_savings import option_savings
 from lightning_shardlab.budget.predicted.whole_tensor import SHOWN, WholePlan, plan_whole_model, plan_whole_params
 from lightning_shardlab.budget.predicted.zero_table import (
@@ -24,7 +25,6 @@ from lightning_shardlab.budget.predicted.zero_table import (
     OptimizerShape,
     Traffic,
     file_call,
-    predict_gathered_peak,
     predict_memory,
     predict_traffic,
     zero_table_bytes,
@@ -273,7 +273,7 @@ def plan_model(
         memory_per_rank=fullest,
         per_rank=per_rank,
         unsharded_bytes=unsharded,
-        gathered_peak=(peak := predict_gathered_peak(units, config.stage, policy, reshard)),
+        gathered_peak=(peak := gathered_peak(units, policy, Schedule.of(config), reshard)),
         options=option_savings(  # timed on this plan's links as its own traffic (the exchanges: the same in each)
             units,
             config,

@@ -42,9 +42,9 @@ from lightning_shardlab.budget.predicted.compute_trace import (
     UnitWork,
     Work,
 )
-from lightning_shardlab.budget.predicted.engine_schedule import Clock, EngineStandIn, Schedule, StandInUnit
+from lightning_shardlab.budget.predicted.engine_schedule import Clock, EngineStandIn, Schedule, StandInUnit, drive
 from lightning_shardlab.budget.predicted.zero_table import Interconnect
-from lightning_shardlab.core.config import Accumulation, PrecisionPolicy, ShardLabConfig, Stage
+from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 
 PARTS = ("forward", "backward", "optimizer", "data", "comm_exposed", "waiting_for_ranks")  # they add up to the step
@@ -96,24 +96,18 @@ class Played(Clock):
 
 
 def _micro_batch(line: Timeline, engine: EngineStandIn) -> None:
-    """One micro-batch's forward and backward, the engine's hooks called where its units start and end: the root's
-    lead forward before the units and the rest after them, its backward first and its lead's last."""
-    root, units = engine.root, engine.units[1:]
-    line.compute(root.times.lead_forward, "forward", root.name)
-    for unit in units:
-        engine.pre_forward(unit)
-        line.compute(unit.times.forward, "forward", unit.name)
-        engine.post_forward(unit)
-    line.compute(root.times.forward - root.times.lead_forward, "forward", root.name)
-    line.phase = "backward"
-    engine.pre_backward(root)
-    line.compute(root.times.backward - root.times.lead_backward, "backward", root.name)
-    for unit in units[::-1]:
-        engine.pre_backward(unit)
-        line.compute(unit.times.backward, "backward", unit.name)
-        engine.post_backward(unit)
-    line.compute(root.times.lead_backward, "backward", root.name)
-    engine.finish_backward()
+    """One micro-batch's forward and backward (``drive``), each unit computing its seconds where the engine's hooks
+    leave it: the root's lead forward before the units and the rest after them, its backward first and its lead's
+    last."""
+
+    def compute(unit: StandInUnit, part: str) -> None:
+        t = unit.times  # the root's lead parts apart (0 for the other units)
+        line.phase = "backward" if part.endswith("backward") else "forward"
+        seconds = {"lead": t.lead_forward, "forward": t.forward - t.lead_forward,
+                   "backward": t.backward - t.lead_backward, "lead backward": t.lead_backward}  # fmt: skip
+        line.compute(seconds[part], line.phase, unit.name)
+
+    drive(engine, compute)
 
 
 def play(
@@ -230,7 +224,7 @@ def predict_step_time(
         for name, lays in units.items()
     ]
     root, others = times[0], times[1:]
-    plan = Schedule(config.stage, config.reshard_after_forward, config.accumulation is Accumulation.DEFER, prefetch)
+    plan = Schedule.of(config, prefetch)
     stepping = rate.seconds(optimizer, bare=True)  # its kernels dispatched outside modules and autograd
     line = play(root, others, plan, micro_batches, stepping, data_seconds, link_share)
     return _result(times, line, micro_batches, stepping, data_seconds)

@@ -216,9 +216,7 @@ def step_timeline(
         stack.enter_context(training(model))
         stack.enter_context(fake_parameters(model, mode, precision))
         stack.callback(checkpointing.undo, model, checkpointing.apply(model, names))
-        engine = EngineStandIn(
-            stand_ins(model, choice, sizes), Schedule(config.stage, config.reshard_after_forward), recorder
-        )
+        engine = EngineStandIn(stand_ins(model, choice, sizes), Schedule.of(config), recorder)
         handles = [h for unit in engine.units for h in hooks.install(engine, unit)]  # type: ignore[arg-type]
         handles += hook_rng_states(model, names, choice, engine)
         stack.callback(lambda: [h.remove() for h in handles])

@@ -71,38 +71,6 @@ def _residual_bytes(lay: FlatParamLayout, error_feedback: bool) -> int:
     return lay.world_size * lay.shard_numel * 4 if kept and lay.world_size > 1 else 0
 
 
-def predict_gathered_peak(
-    units: dict[str, list[FlatParamLayout]], stage: Stage, policy: PrecisionPolicy, reshard_size: int | None = None
-) -> int:
-    """Stage 3: bytes of gathered full buffers at the busiest moment: the root (held for the step) plus
-    two neighbouring units — one computing, the next prefetched (forward order taken as the units' order,
-    which is registration order). 0 at stages 1-2, whose full buffers are counted in ``params``.
-
-    ``reshard_size`` k (``reshard_after_forward=k``): each unit that ran forward also keeps its group shards
-    (padded_numel / k of each flat parameter) until its backward gathers from them. The busiest moment is
-    then a backward one: unit i+1 computing, unit i prefetched (its group shards still held while its
-    all-gather is in flight), the group shards of every unit before it still held: root + full(i+1) +
-    full(i) + group shards(units 0..i). With i+1 the last unit (kept gathered, never regrouped) that is
-    the start of backward."""
-    if stage is not Stage.PARAMETERS:
-        return 0
-
-    def size(lays: list[FlatParamLayout], parts: int = 1) -> int:
-        return sum(
-            lay.padded_numel // parts * policy.compute_for(lay.dtype).itemsize for lay in lays if lay.world_size > 1
-        )
-
-    root = size(units.get("root", []))
-    others = [lays for name, lays in units.items() if name != "root"]
-    full = [size(lays) for lays in others]
-    if reshard_size is None:
-        pairs = [a + b for a, b in zip(full, full[1:])] or full
-        return root + max(pairs, default=0)
-    kept = [size(lays, reshard_size) for lays in others]
-    moments = [full[i] + full[i + 1] + sum(kept[: i + 1]) for i in range(len(full) - 1)] or full
-    return root + max(moments, default=0)
-
-
 @dataclass(frozen=True)
 class Traffic:
     """Collectives per optimizer step: calls and bytes of the full (gathered / reduced) tensors.
