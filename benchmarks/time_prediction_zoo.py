@@ -43,23 +43,25 @@ READING = """Reading it. Until 2026-12-06 (the model before three changes), 6 of
 0.75-1.33, the worst 4.55. Three changes moved them: a collective's cost to a rank that computes around it
 (comm/link_probe.py's busy loop, a small call with compute on either side against the same compute alone), charged as
 compute where the engine launches a call and as the latency a busy rank waits for; backward derived from the
-forward's work (2 x the FLOPs, the memory-bound bytes once, 2 x the kernels) rather than 2 x the forward, which had HF
-GPT-2's and the conv net's backward at twice their time; convolutions and attention timed for the FLOP rate beside
-matmuls (the conv net's rate had been its 10-wide head's). This table ran with nothing else on the machine; the two
-before it (33 of 48 within, the worst at 1.90 alone and 2.74 beside other work) paid every launch as compute, where
-now a call waited for before anything computes pays in its wait: on these cores that moves time between parts, not
-the step ("Ways to price a call" above).
-What the rows still miss, from the largest, read from the parts of rank 0's reports (a separate run of the tiny
-stack and HF Llama on 2 ranks):
-- the busy probe's cost per call: from one fit to the next on this machine it read 0.4 to 3.5 ms of compute a call
-  (two ranks and their communication threads time-sliced on two cores: what a call costs depends on how long it is
-  pending beside compute, not on the call alone): the same model's rows moved by up to 1.5x between runs (the tiny
-  stack at stage 3: 0.93 and 0.57);
+forward's work (2 x the FLOPs, the memory-bound bytes once, 2 x the kernels) rather than 2 x the forward; convolutions
+and attention timed for the FLOP rate beside matmuls. Single runs of the table then gave 32-33 of 48 within; the
+rows moved by up to 1.5x between runs, so the table now takes each fit twice (``--repeats 2``) and shows both.
+The same day, with repeats: 43 of 48 within (31 in every repeat); then the rate probes changed (compute_rate.py:
+each times at least 5 calls and ~50 ms, where a small op had been timed 5 times in microseconds; and the FLOP rate
+takes as many kinds of op as carry 95 % of the FLOPs, where it took the three heaviest: the example GPT's attention,
+a fifth of its FLOPs at two thirds of the matmuls' rate, was priced as a matmul): the example GPT's rows went from
+1.25-1.37 to 1.10-1.21, and the table above came out at 42 of 48 (32 in every repeat).
+What the rows still miss, from the largest:
+- the per-call cost as a run's own processes probe it: in the same fit's two repeats the predicted step moved 1.6x
+  while the measured one moved 1.05x (the tiny stack, stage 3, 2 micro-batches: 0.72 and 0.44). The same probe
+  outside a run reads 0.16-0.40 ms a call from one process to the next; inside the runs, 0.8-2.2 ms (two ranks and
+  their communication threads time-sliced on two cores: what a call costs depends on what else is pending);
+- the measured step itself: one fit's two repeats differ by up to 1.40x here (HF Llama, stage 3, 2 micro-batches),
+  and by 2.27x in the run before: on this machine a single fit cannot be held to 0.75-1.33;
 - on 4 ranks, ``waiting_for_ranks`` (4 ranks on 2 cores: the model takes the ranks as equal and predicts none);
-- the forward of op-heavy models at stages 1-2 (HF Llama 11.5 ms against 4.3, the MoE and the tiny stack 2-3x):
-  Python between kernels (the model's own code, Lightning's loop around ``training_step``), which no count of
-  kernels prices. Timing a kernel's cost in forward and in backward apart was tried: on this machine both are
-  6 us, so the split changed nothing and was not kept."""
+- the forward of small models at stages 1-2: Lightning's loop between the last unit's forward and backward
+  (``training_step``'s loss, ``self.log``, the closure), which no count of kernels prices. On one rank, HF Llama: the
+  units' forward 1.15-1.33 ms measured against 1.23 predicted each, the root's 2.3 ms against 0.85."""
 
 
 def _token_module(body: Any, block: type, vocab: int, seq: int, batch: int) -> tuple[Any, type, Any]:
