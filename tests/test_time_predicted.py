@@ -397,3 +397,23 @@ def test_the_plan_measured_here_takes_the_rates_a_run_takes(monkeypatch) -> None
     assert cli_plan._local_ranks(args, timed) == timed.world_size  # every link local: every rank is here
     timed.rate, timed.link_share = rate, share
     assert timed.predict()["basis"]["link_share"] == 0.0
+
+
+@pytest.mark.quick
+def test_an_op_whose_call_is_mostly_dispatch_is_left_out_of_the_bandwidth() -> None:
+    """compute_rate.py's ``model_bandwidth``: an add of 8 floats moves 96 bytes, which a copy at 10 GB/s moves in
+    0.01 us, far under a kernel's 5 us: its time is dispatch and says nothing of bytes/s (a small model's ops read a
+    few MB/s so, and the optimizer's bytes were priced 25x over). A 4 MiB add is timed beside it; only the rule is
+    asserted."""
+
+    from lightning_shardlab.budget.predicted.compute_rate import model_bandwidth
+    from lightning_shardlab.budget.predicted.compute_trace import TensorSpec, TracedOp
+
+    def add(n: int) -> TracedOp:
+        spec = TensorSpec((n,), torch.float32)
+        return TracedOp(torch.ops.aten.add.Tensor, ((spec, spec), {}), bytes=12.0 * n, calls=1)
+
+    cpu = torch.device("cpu")
+    assert model_bandwidth([add(8)], cpu, fixed=2e-6, copy=1e10, least=5e-6) is None
+    large = model_bandwidth([add(8), add(2**20)], cpu, fixed=2e-6, copy=1e10, least=5e-6)
+    assert large is not None and large > 0

@@ -8,10 +8,10 @@
 ahead of the ones running); or **measured** here (``measure_rate``) at the run's thread count, on the traced model's
 own work (what each probe runs: docs/budget.md, "The time per step"): for FLOP/s its heaviest matmul shapes (rows
 cut so one call stays under ~0.4 GFLOP on a CPU, 1 TFLOP on a GPU), convolutions and attention, as many as carry 95 %
-of its FLOPs (``flop_rate``); its heaviest
-memory-bound ops for bytes/s (``model_bandwidth``: on a CPU norms, softmax and casts run slower per byte than a
-copy); four tiny hooked blocks forward and backward for a kernel as a step dispatches it (``seconds_per_op``), and
-in-place multiplications under ``no_grad`` for one an optimizer dispatches (``seconds_per_bare_op``). Without a
+of its FLOPs (``flop_rate``); its heaviest memory-bound ops for bytes/s, each call's fixed cost taken off
+(``model_bandwidth``: on a CPU norms, softmax and casts run slower per byte than a copy); four tiny hooked blocks
+forward and backward for a kernel as a step dispatches it (``seconds_per_op``), and in-place multiplications under
+``no_grad`` for one an optimizer dispatches (``seconds_per_bare_op``). Without a
 trace: a 512 x 512 x 512 matmul and a 64 MiB copy (1 GiB on a GPU).
 
 Each probe runs a warm-up call, then at least 5 calls and more until ~50 ms have passed (at most 200), and keeps the
@@ -193,10 +193,18 @@ def call_seconds(op: TracedOp, dev: torch.device) -> float | None:
         return None
 
 
-def model_bandwidth(ops: list[TracedOp], dev: torch.device) -> float | None:
+def model_bandwidth(ops: list[TracedOp], dev: torch.device, fixed: float, copy: float, least: float) -> float | None:
     """Bytes/s of the model's own heaviest memory-bound ops (a trace's ``memory_ops``), each run for real: the bytes
-    one call of each moves over the time one call of each takes. None when none runs."""
-    ran = [(op.bytes / max(op.calls, 1), seconds) for op in ops if (seconds := call_seconds(op, dev))]
+    one call of each moves over the time one call of each takes beyond an op's fixed cost when called directly
+    (``fixed``: ``seconds_per_bare_op``; the time model charges each kernel's apart). An op whose bytes a copy
+    (``copy`` bytes/s) moves in less than ``least`` seconds (a kernel's cost in a step) tells nothing of bandwidth,
+    its call being mostly dispatch, and is left out (a small model's norms read a few MB/s so); None when none is
+    left."""
+    ran = []
+    for op in ops:
+        nbytes = op.bytes / max(op.calls, 1)
+        if nbytes / copy > least and (seconds := call_seconds(op, dev)) and seconds > fixed:
+            ran.append((nbytes, seconds - fixed))
     moved, seconds = sum(b for b, _ in ran), sum(t for _, t in ran)
     return moved / seconds if moved and seconds else None
 
@@ -242,9 +250,9 @@ def measure_rate(
     shapes are cached per process."""
     dev, threads, began = torch.device(device), torch.get_num_threads(), time.perf_counter()
     rate = flop_rate(matmuls or {}, flop_ops or [], dtype, dev)
-    bandwidth = model_bandwidth(memory_ops or [], dev) or memory_bandwidth(str(dev), threads)
-    per_op = seconds_per_op(str(dev), threads)
-    bare = seconds_per_bare_op(str(dev), threads)
+    per_op, bare = seconds_per_op(str(dev), threads), seconds_per_bare_op(str(dev), threads)
+    copy = memory_bandwidth(str(dev), threads)
+    bandwidth = model_bandwidth(memory_ops or [], dev, bare, copy, per_op) or copy
     name = (
         f"measured here: {dev.type}, {threads} thread{'s' if threads > 1 else ''}, {str(dtype).removeprefix('torch.')}"
     )
