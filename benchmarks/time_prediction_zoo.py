@@ -50,18 +50,25 @@ The same day, with repeats: 43 of 48 within (31 in every repeat); then the rate 
 each times at least 5 calls and ~50 ms, where a small op had been timed 5 times in microseconds; and the FLOP rate
 takes as many kinds of op as carry 95 % of the FLOPs, where it took the three heaviest: the example GPT's attention,
 a fifth of its FLOPs at two thirds of the matmuls' rate, was priced as a matmul): the example GPT's rows went from
-1.25-1.37 to 1.10-1.21, and the table above came out at 42 of 48 (32 in every repeat).
+1.25-1.37 to 1.10-1.21, and the table came out at 42 of 48 (32 in every repeat). Then the bandwidth probe took each
+op's fixed cost off its time and left out ops whose call is mostly dispatch (a model of three 8-wide layers read
+2.8 MB/s, and its optimizer's step was priced at 6.6 ms against 0.27 measured): the table above, 42 of 48 (35 in
+every repeat). Rows move between runs: which six are outside changed each time.
 What the rows still miss, from the largest:
-- the per-call cost as a run's own processes probe it: in the same fit's two repeats the predicted step moved 1.6x
-  while the measured one moved 1.05x (the tiny stack, stage 3, 2 micro-batches: 0.72 and 0.44). The same probe
-  outside a run reads 0.16-0.40 ms a call from one process to the next; inside the runs, 0.8-2.2 ms (two ranks and
-  their communication threads time-sliced on two cores: what a call costs depends on what else is pending);
-- the measured step itself: one fit's two repeats differ by up to 1.40x here (HF Llama, stage 3, 2 micro-batches),
-  and by 2.27x in the run before: on this machine a single fit cannot be held to 0.75-1.33;
+- the per-call cost as a run's own processes probe it: in the run before this table, one fit's two repeats moved
+  the predicted step 1.6x while the measured one moved 1.05x (the tiny stack, stage 3, 2 micro-batches: 0.72 and
+  0.44); in this one the conv net at stage 3 was predicted at 23 ms in both repeats, and at 46-48 ms in the runs
+  before it and in a fit of its own (its probe read 1.5 ms of latency and 2.3 ms of compute a call there). The same
+  probe outside a run reads 0.16-0.40 ms a call from one process to the next; inside the runs, 0.8-2.3 ms (two ranks
+  and their communication threads time-sliced on two cores: what a call costs depends on what else is pending);
+- the measured step itself: one fit's two repeats differ by up to 1.23x in this table and 1.40x in the run before
+  (HF Llama, stage 3, 2 micro-batches), 2.27x in the first: on this machine a single fit cannot be held to 0.75-1.33;
 - on 4 ranks, ``waiting_for_ranks`` (4 ranks on 2 cores: the model takes the ranks as equal and predicts none);
 - the forward of small models at stages 1-2: Lightning's loop between the last unit's forward and backward
   (``training_step``'s loss, ``self.log``, the closure), which no count of kernels prices. On one rank, HF Llama: the
-  units' forward 1.15-1.33 ms measured against 1.23 predicted each, the root's 2.3 ms against 0.85."""
+  units' forward 1.15-1.33 ms measured against 1.23 predicted each, the root's 2.3 ms against 0.85. One
+  ``self.log`` call alone costs 0.33 ms here (three 8-wide layers on one rank: forward 0.67 ms with it, 0.34
+  without)."""
 
 
 def _token_module(body: Any, block: type, vocab: int, seq: int, batch: int) -> tuple[Any, type, Any]:
