@@ -341,16 +341,16 @@ def test_a_step_that_cannot_be_traced_says_why_in_words() -> None:
     is no token batch)."""
     from rich.console import Console
 
-    from lightning_shardlab.budget.predicted.first_batch import activations_predicted, meta_clone, trace_first_batch
+    from lightning_shardlab.budget.predicted.first_batch import meta_clone, predict_first_batch
     from lightning_shardlab.budget.tables import activations_table
     from lightning_shardlab.core.config import ShardLabConfig
 
     batch = (torch.randn(BATCH, 7), torch.randn(BATCH, 1))
-    config = ShardLabConfig()
-    shaped = activations_predicted(trace_first_batch(meta_clone(ValueShaped()), batch, config, "32-true"), config)
+    shaped, work = predict_first_batch(meta_clone(ValueShaped()), batch, ShardLabConfig(), "32-true")
     assert "DynamicOutputShapeException" in shaped["error"], shaped
     assert shaped["why"].startswith("an op's output shape depends on values (aten.nonzero"), shaped["why"]
-    manual = activations_predicted(trace_first_batch(meta_clone(ByHand()), batch, config, "32-true"), config)
+    assert work.error == shaped["error"] and work.why == shaped["why"]  # the time table says the same
+    manual, _ = predict_first_batch(meta_clone(ByHand()), batch, ShardLabConfig(), "32-true")
     assert manual["why"] == "training_step optimizes by hand (automatic_optimization=False)", manual
     report = {"rank": 0, "activations_measured": {}, "memory_measured": {}, "activations_predicted": shaped}
     console = Console(record=True, width=400)

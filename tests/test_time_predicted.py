@@ -18,7 +18,7 @@ from lightning_shardlab.budget.predicted.changes import plan_time
 from lightning_shardlab.budget.predicted.clocks import Timeline
 from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, EngineCost
 from lightning_shardlab.budget.predicted.compute_trace import ComputeTrace
-from lightning_shardlab.budget.predicted.first_batch import trace_first_batch, work_predicted
+from lightning_shardlab.budget.predicted.first_batch import predict_first_batch
 from lightning_shardlab.budget.predicted.forward_trace import trace_forward
 from lightning_shardlab.budget.predicted.plan import plan_model
 from lightning_shardlab.budget.predicted.run_time import time_predicted_for_run
@@ -224,7 +224,7 @@ def test_flops_per_unit_are_the_hand_count_of_a_linear() -> None:
 def test_the_runs_first_batch_traces_as_the_plans_micro_batch() -> None:
     config = ShardLabConfig(**ONE_UNIT_PER_BLOCK)
     batch = (torch.randint(0, 128, (2, 32)), torch.randint(0, 128, (2, 32)))
-    run = work_predicted(trace_first_batch(gpt(), batch, config, "32-true"), config)
+    _, run = predict_first_batch(gpt(), batch, config, "32-true")
     assert run.error is None and list(run.by_unit) == ["root", "blocks.0", "blocks.1", "blocks.2"]
     assert run.flops() == _trace(False).flops()
     c, t, ff = INIT["n_embd"], 2 * 32, 4 * INIT["n_embd"]

@@ -40,12 +40,7 @@ from lightning_shardlab.budget.measured.step_peak import StepPeak
 from lightning_shardlab.budget.measured.step_time import TimeMeter, align_timelines
 from lightning_shardlab.budget.measured.tiers import tier_counters
 from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, link_share, median_rate, sharing_cores
-from lightning_shardlab.budget.predicted.first_batch import (
-    activations_predicted,
-    meta_clone,
-    trace_first_batch,
-    work_predicted,
-)
+from lightning_shardlab.budget.predicted.first_batch import meta_clone, predict_first_batch
 from lightning_shardlab.budget.predicted.optimizer_peak import optimizer_step_bytes
 from lightning_shardlab.budget.predicted.option_savings import run_option_savings
 from lightning_shardlab.budget.predicted.plan import link_seconds
@@ -211,10 +206,9 @@ class ShardLabBudget(L.Callback):
         if run is None:
             return
         if self._clone is not None:  # the first batch: traced under fake tensors, before it runs
-            config = run.sharded.config
-            traced = trace_first_batch(self._clone, batch, config, run.precision)
-            self.predicted_activations = activations_predicted(traced, config)
-            self.predicted_work = work_predicted(traced, config)
+            self.predicted_activations, self.predicted_work = predict_first_batch(
+                self._clone, batch, run.sharded.config, run.precision
+            )
             if "step" in self.predicted_activations:
                 step = self.predicted_activations["step"]
                 self.predicted_timeline = timeline_for_batch(self._clone, batch, run.sharded, run.precision, step)

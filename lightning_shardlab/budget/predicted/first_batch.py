@@ -56,23 +56,26 @@ def meta_clone(module: nn.Module) -> nn.Module:
     return clone
 
 
-def trace_first_batch(clone: nn.Module, batch: Any, config: ShardLabConfig, precision: str) -> ForwardTrace | Exception:
-    """``clone``'s forward on a batch shaped like ``batch``, by the run's units (forward_trace.py); why not, in full,
-    when it does not trace."""
+def predict_first_batch(
+    clone: nn.Module, batch: Any, config: ShardLabConfig, precision: str
+) -> tuple[dict[str, Any], ComputeTrace]:
+    """``clone``'s forward on a batch shaped like ``batch``, by the run's units, traced once (forward_trace.py): (the
+    saved-for-backward bytes by unit, as the run keeps them, its checkpointed modules keeping only their inputs; the
+    work of one micro-batch by unit, as the run does it, its checkpointed modules recomputed or not). When the batch
+    does not trace, each says why, in full (``error``) and in a few words for the tables (``why``)."""
     first = next((t.shape for t in tree_leaves(batch) if isinstance(t, torch.Tensor)), torch.Size())
     shape = (first[0] if len(first) > 0 else 1, first[1] if len(first) > 1 else 1)
     try:
-        return trace_forward(clone, *shape, precision, config=config, make_inputs=lambda *_: fake_like(batch))
+        traced = trace_forward(clone, *shape, precision, config=config, make_inputs=lambda *_: fake_like(batch))
     except (ValueError, RuntimeError, TypeError) as err:
-        return err
+        failed = {"error": f"{type(err).__name__}: {err}", "why": getattr(err, "why", None) or in_words(err)}
+        return dict(failed), ComputeTrace(**failed)
+    checkpointing = bool(config.activation_checkpointing)
+    return _activations(traced, checkpointing), traced.work.checkpointed(checkpointing)
 
 
-def activations_predicted(traced: ForwardTrace | Exception, config: ShardLabConfig) -> dict[str, Any]:
-    """The saved-for-backward bytes by unit, as the run keeps them (with its checkpointed modules keeping only their
-    inputs); ``{"error": why}`` when the batch did not trace."""
-    if isinstance(traced, Exception):
-        return _failed(traced)
-    trace, checkpointing = traced.activations, bool(config.activation_checkpointing)
+def _activations(traced: ForwardTrace, checkpointing: bool) -> dict[str, Any]:
+    trace = traced.activations
     by_unit = trace.checkpointed_by_unit if checkpointing else trace.by_unit
     return {
         "by_unit": {name: nbytes for name, nbytes in by_unit.items() if nbytes or name == "root"},
@@ -81,16 +84,3 @@ def activations_predicted(traced: ForwardTrace | Exception, config: ShardLabConf
         "seconds": trace.seconds,
         "step": trace.step,  # what ran: "training_step" or "forward"
     }
-
-
-def work_predicted(traced: ForwardTrace | Exception, config: ShardLabConfig) -> ComputeTrace:
-    """The work of one micro-batch by unit, as the run does it (its checkpointed modules recomputed or not); a trace
-    whose ``error`` says why when the batch did not trace."""
-    if isinstance(traced, Exception):
-        return ComputeTrace(**_failed(traced))
-    return traced.work.checkpointed(bool(config.activation_checkpointing))
-
-
-def _failed(err: Exception) -> dict[str, str]:
-    """Why the batch did not trace: in full (``error``), and in a few words for the tables (``why``)."""
-    return {"error": f"{type(err).__name__}: {err}", "why": getattr(err, "why", None) or in_words(err)}
