@@ -49,8 +49,8 @@ rows moved by up to 1.5x between runs, so the table now takes each fit twice (``
 The same day, with repeats: 43 of 48 within (31 in every repeat); then the rate probes changed (compute_rate.py:
 each times at least 5 calls and ~50 ms, where a small op had been timed 5 times in microseconds; and the FLOP rate
 takes as many kinds of op as carry 95 % of the FLOPs, where it took the three heaviest: the example GPT's attention,
-a fifth of its FLOPs at two thirds of the matmuls' rate, was priced as a matmul): the example GPT's rows went from
-1.25-1.37 to 1.10-1.21, and the table came out at 42 of 48 (32 in every repeat). Then the bandwidth probe took each
+a seventh of its FLOPs at 0.6 of the matmuls' rate, was priced as a matmul): the example GPT's rows went from
+1.25-1.37 to 1.10-1.21 (1.08-1.27 in the table above), and the table came out at 42 of 48 (32 in every repeat). Then the bandwidth probe took each
 op's fixed cost off its time and left out ops whose call is mostly dispatch (a model of three 8-wide layers read
 2.8 MB/s, and its optimizer's step was priced at 6.6 ms against 0.27 measured): the table above, 42 of 48 (35 in
 every repeat). Rows move between runs: which six are outside changed each time.
