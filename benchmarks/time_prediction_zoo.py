@@ -53,7 +53,8 @@ a seventh of its FLOPs at 0.6 of the matmuls' rate, was priced as a matmul): the
 1.25-1.37 to 1.10-1.21 (1.08-1.27 in the table above), and the table came out at 42 of 48 (32 in every
 repeat). Then the bandwidth probe took each op's fixed cost off its time and left out ops whose call is mostly
 dispatch (a model of three 8-wide layers read 2.8 MB/s, and its optimizer's step was priced at 6.6 ms against 0.27
-measured): the table above, 42 of 48 (35 in every repeat). Rows move between runs: which six are outside changed each time.
+measured): the table above, 42 of 48 (35 in every repeat). Rows move between runs: which six are outside
+changed each time.
 What the rows still miss, from the largest:
 - the per-call cost as a run's own processes probe it: in the run before this table, one fit's two repeats moved
   the predicted step 1.6x while the measured one moved 1.05x (the tiny stack, stage 3, 2 micro-batches: 0.72 and
