@@ -34,8 +34,12 @@ between compute and waiting. How the budget pays it changed on 2026-12-06: every
 and the same benchmark read forward 0.36, backward 0.51, comm_exposed 0.76 for it (16 of 24 steps within); now a
 call's cost is paid as compute only where compute runs while it flies, and in its wait where nothing computes before
 it (the refresh after the optimizer step, the reductions at the end of backward: back-to-back calls have no compute
-to slow), which left the steps as they were and brought backward and the exposed communication closer (the table
-above)."""
+to slow), which left the steps as they were and brought backward and the exposed communication closer, in that
+day's run (18 of 24 steps within; backward 0.31, comm_exposed 0.46 against 0.38 and 0.55 the other way). The table
+above is a rerun after the rate probes changed (time_prediction_zoo.py's reading): 16 of 24 steps either way, and
+the parts split the other way round for backward (0.41 against 0.36) and the exposed communication (0.56 against
+0.45), while the budget's way keeps the forward much closer (0.33 against 0.73). Which part shows a call's cost moves
+from one set of fits to the next on this machine; the step does not."""
 PARTS = ("step", "forward", "backward", "optimizer", "comm_exposed")
 
 
