@@ -5,9 +5,11 @@ way, so that what differs between the ways is the model alone, not the run-to-ru
     python -m benchmarks.time_prediction_variants            # 2 ranks -> a section of benchmarks/TIME_PREDICTION.md
 
 The link probe splits what one small call costs a rank that computes around it into the compute it takes
-(``Interconnect.launch``, charged where the engine launches a call) and the wait it blocks (the link's latency where
-that is the longer: comm/link_probe.py). The ways: as the budget prices it; the launch moved into the wait (latency +
-launch / (N-1), no launch); no launch at all.
+(``Interconnect.launch``, charged where the engine launches a call) and the wait it blocks (a busy rank's latency,
+``Interconnect.busy_latency``, where that is the longer: comm/link_probe.py); calls waited for back to back take the
+latency timed in batches. The ways: as the budget prices it; a busy rank's latency on every call, back-to-back ones
+too (as it was priced until the fourth session of 2026-12-06); the launch moved into the wait (latency + launch /
+(N-1), no launch); no launch at all.
 """
 
 from __future__ import annotations
@@ -27,25 +29,26 @@ from benchmarks.time_prediction_zoo import SECTION as ZOO
 
 SECTION = "## Ways to price a call, on the same fits"
 READING = """Reading it. On a CPU whose cores all compute (``link_share`` 0) a call moves only while its rank
-waits, so a second of its cost paid as compute or as waiting makes the same step: the first two ways differ only in
-which part shows it, and both keep the same steps within. Without the per-call cost most steps come out short: the
-busy probe's cost is real; what it cannot pin down from one fit to the next (comm/link_probe.py) is how it splits
-between compute and waiting. How the budget pays it changed on 2026-12-06: every launch had been paid as compute,
-and the same benchmark read forward 0.36, backward 0.51, comm_exposed 0.76 for it (16 of 24 steps within); now a
-call's cost is paid as compute only where compute runs while it flies, and in its wait where nothing computes before
-it (the refresh after the optimizer step, the reductions at the end of backward: back-to-back calls have no compute
-to slow), which left the steps as they were and brought backward and the exposed communication closer, in that
-day's run (18 of 24 steps within; backward 0.31, comm_exposed 0.46 against 0.38 and 0.55 the other way). The table
-above is a rerun after the rate probes changed (time_prediction_zoo.py's reading): 16 of 24 steps either way, and
-the parts split the other way round for backward (0.41 against 0.36) and the exposed communication (0.56 against
-0.45), while the budget's way keeps the forward much closer (0.33 against 0.73). Which part shows a call's cost moves
-from one set of fits to the next on this machine; the step does not."""
+waits, so a second of its cost paid as compute or as waiting makes the same step: the launch paid as compute or in the
+wait differ only in which part shows it. Without the per-call cost most steps come out short: the busy probe's cost
+is real; what it cannot pin down from one fit to the next (comm/link_probe.py) is how it splits between compute and
+waiting. Since the fourth session of 2026-12-06 a call's messages take a busy rank's latency only where compute runs
+while it is pending (clocks.py), the latency timed in batches where it is waited for back to back (the refresh after
+the optimizer step, the reductions at the end of backward): on the same fits the step's median |log| went from 0.14
+to 0.10 (the first two rows above; 21 of 24 steps within either way, the parts alike). The same benchmark's earlier
+runs, on other fits: 18 of 24 and then 16 of 24 steps within, as the budget priced it then; which part shows a call's
+cost moved between those sets of fits, the step did not."""
+
+
 PARTS = ("step", "forward", "backward", "optimizer", "comm_exposed")
 
 
 def _ways(link: Any, world: int) -> dict[str, Any]:
     return {
         "as the budget prices it": link,
+        "a busy rank's latency on every call": dataclasses.replace(
+            link, latency=max(link.latency, link.busy_latency), busy_latency=0.0
+        ),
         "launch moved into the wait": dataclasses.replace(
             link, latency=link.latency + link.launch / max(world - 1, 1), launch=0.0
         ),

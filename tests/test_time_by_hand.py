@@ -63,6 +63,27 @@ def test_a_launch_is_paid_as_compute_if_compute_runs_before_its_wait_else_in_its
         assert sum(paid.exposed.values()) == pytest.approx(sum(free.exposed.values()) + in_waits), stage
 
 
+def test_a_busy_ranks_latency_only_where_compute_runs_beside_a_call_by_hand() -> None:
+    """A call's messages take its link's latency when it is waited for back to back, and a busy rank's where compute
+    runs while it is pending (``UnitTimes.beside``: 0.25 s more a call here; links move only while compute waits).
+    Stage 3: B's gather (launched before A's forward), A's regather (behind B's backward) and B's reduce-scatter
+    (behind A's backward) take it, 0.75 s; the root's and A's gathers that open the step and the reduce-scatters
+    waited for at the end of backward do not. Stage 2: B's reduce-scatter alone, 0.25 s; the refreshes after the
+    optimizer step are waited for at once."""
+    from lightning_shardlab.budget.predicted.step_time import Schedule, UnitTimes, play
+
+    def units(beside: float) -> tuple[UnitTimes, list[UnitTimes]]:
+        root = UnitTimes("root", gather=1.0, reduce=2.0, refresh=1.0, beside=beside)
+        ab = [UnitTimes(n, 3.0, 6.0, 0.0, 1.0, 1.0, 2.0, 0.0, 1.0, beside=beside, beside_regather=beside) for n in "AB"]
+        return root, ab
+
+    for stage, extra in ((Stage.PARAMETERS, 0.75), (Stage.GRADIENTS, 0.25)):
+        plain, busy = (play(*units(beside), Schedule(stage), link_share=0.0) for beside in (0.0, 0.25))
+        assert busy.now == pytest.approx(plain.now + extra), stage
+        assert sum(busy.wire.values()) == pytest.approx(sum(plain.wire.values()) + extra), stage
+        assert sum(busy.exposed.values()) == pytest.approx(sum(plain.exposed.values()) + extra), stage
+
+
 def test_one_reduce_scatter_in_flight_by_hand() -> None:
     """Three units, C's reduce-scatter slow (10 s): B's post-backward waits for it (4 s exposed, as
     MAX_REDUCTIONS_IN_FLIGHT = 1), and A's backward gather, queued behind it on the link, is 1 s late."""

@@ -324,10 +324,10 @@ def test_predict_step_time_takes_layouts_directly() -> None:
 
 
 def test_the_link_is_the_slope_and_intercept_of_two_batch_sizes() -> None:
-    """budget/measured/local_link.py: batches of CALLS all-gathers at two sizes per rank give the bandwidth (slope)
-    and the latency (what is left of the small batch), for any group size, or a busy rank's wait for a small call
-    over its N-1 messages where longer; noise that makes the large batch no slower than the small one falls back to
-    the large batch alone."""
+    """budget/measured/local_link.py: batches of CALLS all-gathers at two sizes per rank give the bandwidth (slope) and
+    the latency (what is left of the small batch: calls waited for back to back), for any group size, and beside it a
+    busy rank's wait for a small call over its N-1 messages where longer (calls their rank computed beside); noise that
+    makes the large batch no slower than the small one falls back to the large batch alone."""
     from lightning_shardlab.budget.measured.local_link import CALLS, SIZES, fit_link
 
     true = Interconnect("true", bandwidth=2e9, latency=3e-4)
@@ -341,7 +341,10 @@ def test_the_link_is_the_slope_and_intercept_of_two_batch_sizes() -> None:
     assert (launched.launch, launched.latency) == (2e-4, pytest.approx(3e-4))
     assert launched.name.endswith("300 us, 200 us of compute a call")
     busy = fit_link("fitted", [CALLS * true.ring_seconds(4 * b, 4) for b in SIZES], 4, busy_wait=1.5e-3)
-    assert busy.latency == pytest.approx(5e-4) and busy.bandwidth == pytest.approx(true.bandwidth)  # over 3 messages
+    assert busy.latency == pytest.approx(3e-4) and busy.bandwidth == pytest.approx(true.bandwidth)  # back to back
+    assert busy.busy_latency == pytest.approx(5e-4)  # beside compute: 1.5 ms over 3 messages
+    assert "300 us (500 us beside compute)" in busy.name
+    assert busy.busy_extra(4, calls=2) == pytest.approx(2 * 3 * 2e-4)
     swamped = fit_link("noisy", [0.02, 0.01], 2)
     assert swamped.bandwidth == pytest.approx(CALLS * SIZES[1] / 0.01) and swamped.latency == 0.0
 

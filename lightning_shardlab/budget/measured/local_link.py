@@ -37,9 +37,10 @@ def fit_link(
     busy_wait: float = 0.0,
 ) -> Interconnect:
     """The link whose ring all-gathers take ``seconds`` for a batch of ``CALLS`` calls of each of ``sizes`` bytes
-    per rank on ``world_size`` ranks: bandwidth from the slope, latency from the intercept (at least 0), or the
-    ``busy_wait`` of one small call over its N-1 messages where that is longer; ``launch`` the compute one call
-    takes (``time_busy_call``)."""
+    per rank on ``world_size`` ranks: bandwidth from the slope, latency from the intercept (at least 0): what calls
+    waited for back to back see; a busy rank's latency, the ``busy_wait`` of one small call over its N-1 messages
+    where that is longer: what calls see that their rank computed beside; ``launch`` the compute one call takes
+    (``time_busy_call``)."""
     (small, large), (t_small, t_large) = sizes, seconds
     hops = CALLS * (world_size - 1)  # messages of one rank per batch, each of one shard
     if t_large > t_small:
@@ -47,13 +48,11 @@ def fit_link(
         latency = max(t_small - hops * small / bandwidth, 0.0) / hops
     else:  # noise swamped the difference: the large batch alone, its latency counted as transfer
         bandwidth, latency = hops * large / t_large, 0.0
-    busy = busy_wait / max(world_size - 1, 1)
-    if busy > latency:
-        latency, name = busy, f"{name} (latency as a busy rank waits)"
+    busy = max(busy_wait / max(world_size - 1, 1), latency)
+    waits = f" ({busy * 1e6:.0f} us beside compute)" if busy > latency else ""
     posted = f", {launch * 1e6:.0f} us of compute a call" if launch else ""
-    return Interconnect(
-        f"{name}: {bandwidth / 1e9:.2f} GB/s, {latency * 1e6:.0f} us{posted}", bandwidth, latency, launch
-    )
+    name = f"{name}: {bandwidth / 1e9:.2f} GB/s, {latency * 1e6:.0f} us{waits}{posted}"
+    return Interconnect(name, bandwidth, latency, launch, busy)
 
 
 def measure_local_link(repeats: int = REPEATS) -> Interconnect:

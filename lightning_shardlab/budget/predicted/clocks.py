@@ -1,12 +1,14 @@
-"""The two clocks a step is played on (budget/predicted/step_time.py): one compute stream, and each link a
-first-in-first-out queue of collectives. Compute advances the clock; a collective joins its link's queue when
-launched and moves at full speed while compute waits for it, at ``share`` of that while compute runs; a wait blocks
-compute until the call is through. What a call costs its host (on a CPU, the cores its communication threads take)
-is paid as compute where compute runs while it is pending, and as waiting where it is waited for before any compute:
-back-to-back calls (the refresh, the end of backward) have no compute to slow (benchmarks/TIME_PREDICTION.md, "Ways
-to price a call": the steps the same, the parts closer). What it tallies: by collective kind, the seconds on the
-wire, exposed (waited for), hidden (in flight before the wait) and in flight; by part of the step, the compute
-launching calls took; and the played step as events, as the timeline picture draws one (budget/timeline_picture.py).
+"""The two clocks a step is played on (budget/predicted/step_time.py): one compute stream, and each link a first-in-
+first- out queue of collectives. Compute advances the clock; a collective joins its link's queue when launched and moves
+at full speed while compute waits for it, at ``share`` of that while compute runs; a wait blocks compute until the call
+is through. What a call costs its host (on a CPU, the cores its communication threads take) is paid as compute where
+compute runs while it is pending, and as waiting where it is waited for before any compute: back-to-back calls (the
+refresh, the end of backward) have no compute to slow (benchmarks/TIME_PREDICTION.md, "Ways to price a call": the steps
+the same, the parts closer). Likewise a call's messages take the latency its link shows calls waited for back to back,
+or, if compute runs while it is pending, a busy rank's (``Interconnect.busy_latency``). What it tallies: by collective
+kind, the seconds on the wire, exposed (waited for), hidden (in flight before the wait) and in flight; by part of the
+step, the compute launching calls took; and the played step as events, as the timeline picture draws one
+(budget/timeline_picture.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Timeline:
         self.phase = "forward"  # the part of the step compute is in: what launching a call is charged to
         self.launching: dict[str, float] = {}  # part -> host seconds spent launching calls
         self.owed: dict[tuple[str, str], float] = {}  # launched calls whose cost to the host is not paid yet
+        self.beside: dict[tuple[str, str], float] = {}  # launched calls' latency if their rank computes beside them
         self.events: list[dict[str, Any]] = []  # the step as the timeline picture draws one (timeline_picture.py)
 
     def _advance(self, seconds: float, speed: float) -> None:
@@ -52,6 +55,8 @@ class Timeline:
     def compute(self, seconds: float, cat: str = "", name: str = "") -> None:
         """Compute for ``seconds``: drawn as ``cat`` (forward, backward, optimizer, data; default: the phase) of
         ``name`` (a unit, or the call being launched); first, what the calls launched before it cost the host."""
+        if seconds > 0 and self.beside:
+            self._computed_beside()
         if seconds > 0 and self.owed:
             owed, self.owed = self.owed, {}
             for key, host in owed.items():
@@ -63,13 +68,27 @@ class Timeline:
         self._advance(seconds, self.share)
         self.now += seconds
 
-    def launch(self, key: tuple[str, str], kind: str, link: str, seconds: float, host: float = 0.0) -> None:
+    def _computed_beside(self) -> None:
+        """Compute begins while calls are pending: each still queued takes its busy latency (``beside``) on top."""
+        beside, self.beside = self.beside, {}
+        for queue in self.queues.values():
+            for call in queue:
+                if call[0] in beside:
+                    call[1] += beside[call[0]]
+                    self.wire[self.pending[call[0]][0]] += beside[call[0]]
+
+    def launch(
+        self, key: tuple[str, str], kind: str, link: str, seconds: float, host: float = 0.0, beside: float = 0.0
+    ) -> None:
         """The call enters its link's queue. What it costs the host (``host`` seconds: on a CPU, the cores its
-        communication threads take) is paid as compute if compute runs before its wait, else in its wait."""
+        communication threads take) is paid as compute if compute runs before its wait, else in its wait; and if
+        compute runs while it is pending, its messages take a busy rank's latency (``beside`` seconds more)."""
         if seconds <= 0 or key in self.pending:
             return
         if host > 0:
             self.owed[key] = host
+        if beside > 0:
+            self.beside[key] = beside
         self.queues.setdefault(link, []).append([key, seconds])
         self.pending[key] = (kind, self.now)
         self.wire[kind] = self.wire.get(kind, 0.0) + seconds
@@ -79,6 +98,7 @@ class Timeline:
             return
         kind, launched = self.pending[key]
         host = self.owed.pop(key, 0.0)
+        self.beside.pop(key, None)  # waited for before any compute: back to back
         if host:  # nothing computed since its launch: the rank waits while the call costs it
             self.events.append({"name": f"{kind} {key[1]}", "cat": "comm_exposed", "lane": "compute",
                                 "start": self.now, "dur": host})  # fmt: skip

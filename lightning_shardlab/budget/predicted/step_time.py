@@ -67,6 +67,9 @@ class UnitTimes:
     launch: float = 0.0  # host seconds to launch one of its collectives inside the shard group (one call per flat
     launch_across: float = 0.0  # parameter), and one across groups: paid as compute, or in the call's wait
     lead_backward: float = 0.0  # the root: the backward of its lead forward, the last of the step's backward
+    beside: float = 0.0  # seconds more one of its collectives inside the shard group (the backward gathers': in the
+    beside_regather: float = 0.0  # reshard group) and one across groups wait at a busy rank's latency, if their
+    beside_across: float = 0.0  # rank computes while they are pending (clocks.py)
 
 
 class Played(Clock):
@@ -78,18 +81,20 @@ class Played(Clock):
 
     def gather(self, unit: StandInUnit, backward: bool) -> None:
         t = unit.times
-        self.line.launch(("gather", t.name), "all_gather", INTRA, t.regather if backward else t.gather, t.launch)
+        seconds, beside = (t.regather, t.beside_regather) if backward else (t.gather, t.beside)
+        self.line.launch(("gather", t.name), "all_gather", INTRA, seconds, t.launch, beside)
 
     def wait_gather(self, unit: StandInUnit) -> None:
         self.line.wait(("gather", unit.name))
 
     def reduce(self, unit: StandInUnit) -> None:
-        self.line.launch(("reduce", unit.name), "reduce_scatter", INTRA, unit.times.reduce, unit.times.launch)
+        t = unit.times
+        self.line.launch(("reduce", t.name), "reduce_scatter", INTRA, t.reduce, t.launch, t.beside)
 
     def wait_reduce(self, unit: StandInUnit) -> None:
         t = unit.times
         self.line.wait(("reduce", t.name))
-        self.line.launch(("across", t.name), "all_reduce", INTER, t.across, t.launch_across)
+        self.line.launch(("across", t.name), "all_reduce", INTER, t.across, t.launch_across, t.beside_across)
 
     def wait_across(self, unit: StandInUnit) -> None:
         self.line.wait(("across", unit.name))
@@ -133,7 +138,7 @@ def play(
     line.compute(optimizer, "optimizer", "optimizer")
     if plan.stage is not Stage.PARAMETERS:
         for unit in [root, *units]:
-            line.launch(("refresh", unit.name), "all_gather", INTRA, unit.refresh, unit.launch)
+            line.launch(("refresh", unit.name), "all_gather", INTRA, unit.refresh, unit.launch, unit.beside)
         for unit in [root, *units]:
             line.wait(("refresh", unit.name))
     return line
@@ -175,9 +180,13 @@ def unit_times(
             across += links.inter.all_reduce_seconds(lay.shard_numel * r, links.replicas)
     forward, backward, lead, lead_backward = seconds
     launch, launch_across = calls * links.intra.launch, calls_across * links.inter.launch
+    n = max((lay.world_size for lay in layouts), default=1)
+    beside = links.intra.busy_extra(n, calls), links.intra.busy_extra(links.reshard_size or n, calls)
+    across_beside = links.inter.busy_extra(links.replicas, calls_across, all_reduce=True) if calls_across else 0.0
     return UnitTimes(
-        name, forward, backward, lead, gather, regather, reduce, across, refresh, launch, launch_across, lead_backward
-    )
+        name, forward, backward, lead, gather, regather, reduce, across, refresh, launch, launch_across, lead_backward,
+        *beside, across_beside,
+    )  # fmt: skip
 
 
 def _compute_seconds(work: UnitWork | None, rate: ComputeRate, is_root: bool) -> tuple[float, ...]:

@@ -225,12 +225,20 @@ def zero_table_bytes(
 class Interconnect:
     """One rank's link: bytes per second in each direction, the latency of one message, and the compute one call
     takes from its rank (``launch``: posting it, and on a CPU the cores its communication threads take; measured by
-    comm/link_probe.py's ``time_busy_call``; 0 where a device queues its calls ahead, as NCCL's stream does)."""
+    comm/link_probe.py's ``time_busy_call``; 0 where a device queues its calls ahead, as NCCL's stream does).
+    ``busy_latency``: a message's latency for a call its rank computed beside while it was pending (the busy probe's
+    wait; 0: ``latency``), where calls waited for back to back take ``latency`` (timed in batches)."""
 
     name: str
     bandwidth: float
     latency: float
     launch: float = 0.0
+    busy_latency: float = 0.0
+
+    def busy_extra(self, world_size: int, calls: int = 1, all_reduce: bool = False) -> float:
+        """Seconds ``calls`` calls wait beyond their ring bound when their rank computed while they were pending."""
+        messages = (2 if all_reduce else 1) * (world_size - 1)
+        return calls * messages * max(self.busy_latency - self.latency, 0.0)
 
     def ring_seconds(self, nbytes: float, world_size: int, calls: int = 1) -> float:
         """Lower bound for ``calls`` ring all-gathers / reduce-scatters of ``nbytes`` full tensors in all:
