@@ -35,7 +35,8 @@ is real; what it cannot pin down from one fit to the next (comm/link_probe.py) i
 waiting. Since the fourth session of 2026-12-06 a call's messages take a busy rank's latency only where compute runs
 while it is pending (clocks.py), the latency timed in batches where it is waited for back to back (the refresh after
 the optimizer step, the reductions at the end of backward): on the same fits the step's median |log| went from 0.14
-to 0.10 (the first two rows above; 21 of 24 steps within either way, the parts alike). The same benchmark's earlier
+to 0.10 (the first two rows above; 21 of 24 steps within either way, the parts alike), and on a second set of fits
+from 0.18 to 0.17 (19 of 24 either way). The same benchmark's earlier
 runs, on other fits: 18 of 24 and then 16 of 24 steps within, as the budget priced it then; which part shows a call's
 cost moved between those sets of fits, the step did not."""
 

@@ -53,17 +53,22 @@ a seventh of its FLOPs at 0.6 of the matmuls' rate, was priced as a matmul): the
 1.25-1.37 to 1.10-1.21 (1.08-1.27 in the table above), and the table came out at 42 of 48 (32 in every
 repeat). Then the bandwidth probe took each op's fixed cost off its time and left out ops whose call is mostly
 dispatch (a model of three 8-wide layers read 2.8 MB/s, and its optimizer's step was priced at 6.6 ms against 0.27
-measured): the table above, 42 of 48 (35 in every repeat). Rows move between runs: which six are outside
-changed each time.
+measured): 42 of 48 (35 in every repeat). Last, a call's messages took a busy rank's latency only where its rank
+computes while it is pending, and the batches' latency where it is waited for back to back (clocks.py;
+time_prediction_variants.py priced two sets of fits both ways, the step's median |log| 0.14 -> 0.10 and 0.18 ->
+0.17): the table above, 38 of 48 (32 in every repeat). Its 2-rank rows read 19 of 24 within (21 the run before),
+its 4-rank rows 19 of 24 (21): these rows were predicted short for the ranks' waiting on each other, which the
+longer latency of back-to-back calls had partly made up for. Rows move between runs: which are outside changed
+each time.
 What the rows still miss, from the largest:
-- the per-call cost as a run's own processes probe it: in the run before this table, one fit's two repeats moved
-  the predicted step 1.6x while the measured one moved 1.05x (the tiny stack, stage 3, 2 micro-batches: 0.72 and
-  0.44); in this one the conv net at stage 3 was predicted at 23 ms in both repeats, and at 46-48 ms in the runs
+- the per-call cost as a run's own processes probe it: in the second run, one fit's two repeats moved the
+  predicted step 1.6x while the measured one moved 1.05x (the tiny stack, stage 3, 2 micro-batches: 0.72 and
+  0.44); in the third the conv net at stage 3 was predicted at 23 ms in both repeats, and at 46-48 ms in the runs
   before it and in a fit of its own (its probe read 1.5 ms of latency and 2.3 ms of compute a call there). The same
   probe outside a run reads 0.16-0.40 ms a call from one process to the next; inside the runs, 0.8-2.3 ms (two ranks
   and their communication threads time-sliced on two cores: what a call costs depends on what else is pending);
-- the measured step itself: one fit's two repeats differ by up to 1.23x in this table and 1.40x in the run before
-  (HF Llama, stage 3, 2 micro-batches), 2.27x in the first: on this machine a single fit cannot be held to 0.75-1.33;
+- the measured step itself: one fit's two repeats differ by up to 2.27x, 1.40x, 1.23x and 1.37x in the four runs
+  (the second's: HF Llama, stage 3, 2 micro-batches): on this machine a single fit cannot be held to 0.75-1.33;
 - on 4 ranks, ``waiting_for_ranks`` (4 ranks on 2 cores: the model takes the ranks as equal and predicts none);
 - the forward of small models at stages 1-2: Lightning's loop between the last unit's forward and backward
   (``training_step``'s loss, ``self.log``, the closure), which no count of kernels prices. On one rank, HF Llama: the
