@@ -28,17 +28,16 @@ from benchmarks.time_prediction_zoo import HERE, MODELS, VARIANTS, fit
 from benchmarks.time_prediction_zoo import SECTION as ZOO
 
 SECTION = "## Ways to price a call, on the same fits"
-READING = """Reading it. On a CPU whose cores all compute (``link_share`` 0) a call moves only while its rank
-waits, so a second of its cost paid as compute or as waiting makes the same step: the launch paid as compute or in the
-wait differ only in which part shows it. Without the per-call cost most steps come out short: the busy probe's cost
-is real; what it cannot pin down from one fit to the next (comm/link_probe.py) is how it splits between compute and
-waiting. Since the fourth session of 2026-12-06 a call's messages take a busy rank's latency only where compute runs
-while it is pending (clocks.py), the latency timed in batches where it is waited for back to back (the refresh after
-the optimizer step, the reductions at the end of backward): on the same fits the step's median |log| went from 0.14
-to 0.10 (the first two rows above; 21 of 24 steps within either way, the parts alike), and on a second set of fits
-from 0.18 to 0.17 (19 of 24 either way). The same benchmark's earlier
-runs, on other fits: 18 of 24 and then 16 of 24 steps within, as the budget priced it then; which part shows a call's
-cost moved between those sets of fits, the step did not."""
+READING = """Reading it. On a CPU whose cores all compute (``link_share`` 0) a call moves only while its rank waits, so
+a second of its cost paid as compute or as waiting makes the same step: the launch paid as compute or in the wait differ
+only in which part shows it. Without the per-call cost most steps come out short: the busy probe's cost is real; what it
+cannot pin down from one fit to the next (comm/link_probe.py) is how it splits between compute and waiting. Since the
+fourth session of 2026-12-06 a call's messages take a busy rank's latency only where compute runs while it is pending
+(clocks.py), the latency timed in batches where it is waited for back to back (the refresh after the optimizer step, the
+reductions at the end of backward): on the same fits the step's median |log| went from 0.14 to 0.10 (the first two rows
+above; 21 of 24 steps within either way, the parts alike), and on a second set of fits from 0.18 to 0.17 (19 of 24
+either way). The same benchmark's earlier runs, on other fits: 18 of 24 and then 16 of 24 steps within, as the budget
+priced it then; which part shows a call's cost moved between those sets of fits, the step did not."""
 
 
 PARTS = ("step", "forward", "backward", "optimizer", "comm_exposed")
