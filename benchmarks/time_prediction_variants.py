@@ -24,7 +24,7 @@ from typing import Any
 
 from benchmarks.bench import machine
 from benchmarks.ranks import run_ranks
-from benchmarks.time_prediction_zoo import HERE, MODELS, VARIANTS, fit
+from benchmarks.time_prediction_zoo import HERE, MODELS, fits
 from benchmarks.time_prediction_zoo import SECTION as ZOO
 
 SECTION = "## Ways to price a call, on the same fits"
@@ -63,25 +63,22 @@ def run_rank(models: list[str], steps: int, out: str) -> list[dict]:
     from lightning_shardlab.budget.predicted.zero_table import Interconnect
 
     world, rows = int(os.environ["WORLD_SIZE"]), []
-    for name in models:
-        for stage, micro in VARIANTS:
-            trainer, strategy, budget = fit(name, stage, micro, steps, out, world)
-            report = budget.reports[trainer.global_rank]
-            measured, basis = report["time_measured"], report["time_predicted"].get("basis")
-            if basis is None:
-                continue
-            rate = ComputeRate(
-                basis["rate"], basis["flops_per_second"], basis["bytes_per_second"], basis["seconds_per_op"], "cpu",
-                engine=EngineCost(**basis["engine_seconds"]), seconds_per_bare_op=basis["seconds_per_bare_op"],
+    for name, stage, micro, trainer, strategy, budget, report in fits(models, steps, out, world):
+        measured, basis = report["time_measured"], report["time_predicted"].get("basis")
+        if basis is None:
+            continue
+        rate = ComputeRate(
+            basis["rate"], basis["flops_per_second"], basis["bytes_per_second"], basis["seconds_per_op"], "cpu",
+            engine=EngineCost(**basis["engine_seconds"]), seconds_per_bare_op=basis["seconds_per_bare_op"],
+        )  # fmt: skip
+        priced = {}
+        for way, link in _ways(Interconnect(**basis["link_figures"]), world).items():
+            out_ = time_predicted_for_run(
+                strategy.sharded, budget.predicted_work, micro, "32-true", link=link, rate=rate,
+                optimizers=trainer.optimizers, link_share=basis["link_share"], data_seconds=measured["data"],
             )  # fmt: skip
-            priced = {}
-            for way, link in _ways(Interconnect(**basis["link_figures"]), world).items():
-                out_ = time_predicted_for_run(
-                    strategy.sharded, budget.predicted_work, micro, "32-true", link=link, rate=rate,
-                    optimizers=trainer.optimizers, link_share=basis["link_share"], data_seconds=measured["data"],
-                )  # fmt: skip
-                priced[way] = {k: out_[k] for k in PARTS}
-            rows.append({"model": name, "stage": stage, "micro": micro, "measured": measured, "priced": priced})
+            priced[way] = {k: out_[k] for k in PARTS}
+        rows.append({"model": name, "stage": stage, "micro": micro, "measured": measured, "priced": priced})
     return rows
 
 

@@ -27,6 +27,7 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -248,19 +249,26 @@ def fit(name: str, stage: int, micro: int, steps: int, out: str, world: int) -> 
     return trainer, strategy, budget
 
 
-def run_rank(models: list[str], steps: int, out: str) -> list[dict]:
-    """On every rank: each model at each variant, fitted in turn; each fit's rank report (time measured, predicted)."""
-    world, rows = int(os.environ["WORLD_SIZE"]), []
+def fits(models: list[str], steps: int, out: str, world: int) -> Iterator[tuple[str, int, int, Any, Any, Any, dict]]:
+    """On every rank of ``world``: each model at each variant, fitted in turn: (model, stage, micro-batches, the
+    trainer, its strategy, its budget, this rank's report)."""
     for name in models:
         for stage, micro in VARIANTS:
-            trainer, _, budget = fit(name, stage, micro, steps, out, world)
-            report = budget.reports[trainer.global_rank]
-            rows.append({
-                "model": name, "ranks": world, "stage": stage, "micro_batches": micro,
-                "measured": report["time_measured"], "predicted": report["time_predicted"],
-                "activations": report["activations_predicted"].get("step", report["activations_predicted"].get("why")),
-            })  # fmt: skip
-    return rows
+            trainer, strategy, budget = fit(name, stage, micro, steps, out, world)
+            yield name, stage, micro, trainer, strategy, budget, budget.reports[trainer.global_rank]
+
+
+def run_rank(models: list[str], steps: int, out: str) -> list[dict]:
+    """On every rank: each fit's rank report (time measured, predicted)."""
+    world = int(os.environ["WORLD_SIZE"])  # read before the fits: a fit's teardown clears it
+    return [
+        {
+            "model": name, "ranks": world, "stage": stage, "micro_batches": micro,
+            "measured": report["time_measured"], "predicted": report["time_predicted"],
+            "activations": report["activations_predicted"].get("step", report["activations_predicted"].get("why")),
+        }
+        for name, stage, micro, _, _, _, report in fits(models, steps, out, world)
+    ]  # fmt: skip
 
 
 def merged(runs: list[list[dict]]) -> list[dict]:
