@@ -8,7 +8,7 @@ steps per configuration, ``ShardLabBudget(step_peak=True)``: measured on the fir
 (budget/measured/step_peak.py: on CPU, what is live as the step starts, read from the real tensors, plus every
 allocation and free the step makes), predicted from the first batch run under fake tensors on the engine's schedule
 and the optimizers' step on fakes of this rank's masters (budget/predicted/step_timeline.py,
-budget/predicted/optimizer_peak.py, budget/predicted/step_peak.py). Beside them, the plan's step peak for the same
+budget/predicted/optimizer_peak.py, budget/predicted/first_batch.py). Beside them, the plan's step peak for the same
 model and shape (budget/predicted/setting.py: the same timeline without gloo's receive rooms, as ``shardlab plan
 --micro-batch-size B
 --seq-len T`` prints it). Models: the example GPT and a Hugging Face Llama

@@ -290,7 +290,7 @@ def test_gpt_and_llama_activations_and_step_peak_against_the_plan(tmp_path: Path
     """(1) The activations the budget predicts (the first batch traced) are what the run saves, by unit, in every
     configuration: exactly, not only within 10 %.
 
-    (2) The step's peak the budget predicts (budget/predicted/step_peak.py: the layout's state + the busiest moment
+    (2) The step's peak the budget predicts (budget/predicted/first_batch.py: the layout's state + the busiest moment
     of the first batch's forward and backward run under fake tensors on the engine's schedule,
     budget/predicted/step_timeline.py) is within 10 % of the one measured on the first step after the warm-up, phase
     by phase and for the step (measured: 1.000-1.002 of it over these 12 configurations; stages 1-3 in

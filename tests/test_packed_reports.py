@@ -95,14 +95,11 @@ def _fit(epochs: int, seed: int, callbacks: list, ckpt_path: str | None = None, 
 def _savings_by_hand(trainer: L.Trainer, savings: dict) -> list[dict]:
     """The plan's rows (``option_savings``, its defaults) on the link the report names, for this one-group run."""
     from lightning_shardlab.budget.predicted.option_savings import option_savings
-    from lightning_shardlab.budget.predicted.plan import link_seconds
-    from lightning_shardlab.budget.predicted.zero_table import Interconnect
+    from lightning_shardlab.budget.predicted.zero_table import Interconnect, Links
 
     sharded, link = trainer.strategy.sharded, Interconnect(**savings["link"])
     units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.forward_order}
-    return option_savings(
-        units, sharded.config, None, 1, None, lambda t: sum(link_seconds(t, 2, None, 1, link, link).values())
-    )
+    return option_savings(units, sharded.config, None, Links(link, link, group=2))
 
 
 def resume_with_residuals(tmp: str) -> dict:

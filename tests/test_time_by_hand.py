@@ -7,8 +7,8 @@ import pytest
 
 from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, EngineCost
 from lightning_shardlab.budget.predicted.compute_trace import ComputeTrace, UnitWork, Work
-from lightning_shardlab.budget.predicted.step_time import Links, predict_step_time
-from lightning_shardlab.budget.predicted.zero_table import INTERCONNECTS
+from lightning_shardlab.budget.predicted.step_time import predict_step_time
+from lightning_shardlab.budget.predicted.zero_table import INTERCONNECTS, Links
 from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
 
 

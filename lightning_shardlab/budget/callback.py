@@ -39,13 +39,11 @@ from lightning_shardlab.budget.measured.option_error import option_error
 from lightning_shardlab.budget.measured.step_peak import StepPeak
 from lightning_shardlab.budget.measured.step_time import TimeMeter, align_timelines
 from lightning_shardlab.budget.measured.tiers import tier_counters
+from lightning_shardlab.budget.predicted import first_batch
 from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, link_share, median_rate, sharing_cores
-from lightning_shardlab.budget.predicted.first_batch import meta_clone, predict_first_batch
 from lightning_shardlab.budget.predicted.optimizer_peak import optimizer_step_bytes
 from lightning_shardlab.budget.predicted.option_savings import run_option_savings
-from lightning_shardlab.budget.predicted.plan import link_seconds
 from lightning_shardlab.budget.predicted.run_time import run_rate, time_predicted_for_run
-from lightning_shardlab.budget.predicted.step_peak import predict_step_peak, timeline_for_batch
 from lightning_shardlab.budget.predicted.zero_table import Interconnect
 from lightning_shardlab.budget.report import Measured, Run, rank_report
 from lightning_shardlab.budget.tables import print_budget
@@ -157,7 +155,7 @@ class ShardLabBudget(L.Callback):
         if is_overridden("configure_model", pl_module):
             self.predicted_activations = {"error": "the model is built in configure_model, after this hook"}
             return
-        self._clone = meta_clone(pl_module)
+        self._clone = first_batch.meta_clone(pl_module)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         run = Run.of_trainer(trainer)
@@ -206,12 +204,14 @@ class ShardLabBudget(L.Callback):
         if run is None:
             return
         if self._clone is not None:  # the first batch: traced under fake tensors, before it runs
-            self.predicted_activations, self.predicted_work = predict_first_batch(
+            self.predicted_activations, self.predicted_work = first_batch.predict_first_batch(
                 self._clone, batch, run.sharded.config, run.precision
             )
             if "step" in self.predicted_activations:
                 step = self.predicted_activations["step"]
-                self.predicted_timeline = timeline_for_batch(self._clone, batch, run.sharded, run.precision, step)
+                self.predicted_timeline = first_batch.timeline_for_batch(
+                    self._clone, batch, run.sharded, run.precision, step
+                )
                 self.predicted_optimizer = optimizer_step_bytes(run.optimizers, run.sharded)
             self._clone = None
         self._batch_start(run, batch)
@@ -366,9 +366,7 @@ class ShardLabBudget(L.Callback):
         if error:  # only where a fewer-bytes option is on
             everyone[0]["option_error"] = error
         if self._links is not None:  # each option's bytes and time per step on the links the run probed
-            everyone[0]["option_savings"] = run_option_savings(
-                run.sharded, run.micro_batches, *self._links, link_seconds
-            )
+            everyone[0]["option_savings"] = run_option_savings(run.sharded, run.micro_batches, *self._links)
         print_budget(self.console, everyone)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / self.json_name).write_text(json.dumps(everyone, indent=1))
@@ -404,7 +402,9 @@ class ShardLabBudget(L.Callback):
                 "reduce": self.reduce_samples,
                 "reduce_every": self.error_every,
             }
-        report["step_peak_predicted"] = predict_step_peak(report, self.predicted_timeline, self.predicted_optimizer)
+        report["step_peak_predicted"] = first_batch.predict_step_peak(
+            report, self.predicted_timeline, self.predicted_optimizer
+        )
         if self.time is not None:  # collective: the last exchange of the step clock
             report.update(self.time.report())
             self.time.stop()

@@ -331,9 +331,7 @@ def rate_here(setting: Setting, ranks_here: int) -> tuple[ComputeRate, float]:
     ``ranks_here`` ranks of this machine, and what their compute leaves the links."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = COMPUTE[setting.precision] or CONVERTED.get(setting.precision, torch.float32)
-    traced = setting.compute()
-    measured = measure_rate(device, dtype, traced.matmuls, traced.memory_ops, traced.flop_ops)
-    rate = with_engine_cost(measured, setting.config.stage)
+    rate = with_engine_cost(measure_rate(device, dtype, setting.compute()), setting.config.stage)
     return sharing_cores(rate, ranks_here), link_share(device.type, ranks_here)
 
 

@@ -108,21 +108,26 @@ def fit_tries(setting: Setting, plan: Plan) -> list[list[Try]]:
     checkpointing = [] if setting.config.activation_checkpointing or not checkpointed else [
         [Try("activation_checkpointing", {"activation_checkpointing": True}, recompute)]
     ]  # fmt: skip
-    smaller = [
-        Try(f"micro-batch {d} x {m * b // d} accumulation steps", {"micro_batch_size": d,
-            "accumulate_grad_batches": m * b // d}, "collectives repeated per micro-batch, the same FLOPs",
-            micro_batch_size=d, micro_batches=m * b // d)
-        for d in range(b - 1, 0, -1) if b % d == 0
-    ]  # fmt: skip
+    repeated = "collectives repeated per micro-batch, the same FLOPs"
+    smaller = [_accumulating(d, m * b // d, repeated) for d in range(b - 1, 0, -1) if b % d == 0]
     offload = [] if plan.offload != "none" or plan.whole_tensor is not None else [
         [Try("offload cpu", {"offload": "cpu"}, f"masters and optimizer state to and from the host ({plan.tier_link})")]
     ]  # fmt: skip
     larger = [
-        Try(f"shard_group_size {g}", {"shard_group_size": g if g < world else None},
-            f"{world // g} shard groups of {g} ranks")
+        _shard_group(g, world, f"{world // g} shard groups of {g} ranks")
         for g in range(group + 1, world + 1) if world % g == 0 and g % group == 0
     ]  # fmt: skip
     return [*stages, *checkpointing, smaller, *offload, larger]
+
+
+def _accumulating(b: int, m: int, cost: str = "") -> Try:
+    """Micro-batches of ``b`` sequences, ``m`` per optimizer step."""
+    options = {"micro_batch_size": b, "accumulate_grad_batches": m}
+    return Try(f"micro-batch {b} x {m} accumulation step{'s' if m > 1 else ''}", options, cost, b, m)
+
+
+def _shard_group(g: int, world: int, cost: str = "") -> Try:
+    return Try(f"shard_group_size {g}", {"shard_group_size": g if g < world else None}, cost)
 
 
 def _moved(setting: Setting, plan: Plan, stage: Stage) -> str:
@@ -180,10 +185,7 @@ def time_tries(setting: Setting) -> list[Try]:
         Try(f"stage {int(s)}", {"stage": s, **(back if s is not Stage.PARAMETERS else {})})
         for s in Stage if s is not config.stage
     ]  # fmt: skip
-    tries += [
-        Try(f"shard_group_size {g}", {"shard_group_size": g if g < world else None})
-        for g in range(1, world + 1) if world % g == 0 and g != group
-    ]  # fmt: skip
+    tries += [_shard_group(g, world) for g in range(1, world + 1) if world % g == 0 and g != group]
     if config.stage is Stage.PARAMETERS:
         now = config.reshard_after_forward
         values = [False, True, *(k for k in range(2, group) if group % k == 0)]
@@ -197,13 +199,7 @@ def time_tries(setting: Setting) -> list[Try]:
     if m == 1:
         tries.append(Try(f"micro-batch {2 * b}", {"micro_batch_size": 2 * b}, f"global batch x 2: timed per {b}"
                          " sequences", micro_batch_size=2 * b, per=0.5))  # fmt: skip
-    for k in (k for k in range(2, m + 1) if m % k == 0):
-        tries.append(Try(
-            f"micro-batch {b * k} x {m // k} accumulation step{'s' if m // k > 1 else ''}",
-            {"micro_batch_size": b * k, "accumulate_grad_batches": m // k},
-            micro_batch_size=b * k, micro_batches=m // k,
-        ))  # fmt: skip
-    return tries
+    return tries + [_accumulating(b * k, m // k) for k in range(2, m + 1) if m % k == 0]
 
 
 def plan_time(setting: Setting) -> dict[str, Any]:

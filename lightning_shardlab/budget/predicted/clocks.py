@@ -121,11 +121,10 @@ class Timeline:
         end = self.ended.pop(key)
         name = f"{kind} {key[1]}"
         self.events.append({"name": name, "cat": kind, "lane": "comm", "start": launched, "dur": end - launched})
-        if end > waited:
-            self.events.append({"name": name, "cat": "comm_exposed", "lane": "compute", "start": waited,
-                                "dur": end - waited})  # fmt: skip
         self.in_flight[kind] = self.in_flight.get(kind, 0.0) + end - launched
         self.hidden[kind] = self.hidden.get(kind, 0.0) + min(end, waited) - launched
         self.to_wait[kind] = self.to_wait.get(kind, 0.0) + max(end, waited) - launched
         if end > waited:
+            self.events.append({"name": name, "cat": "comm_exposed", "lane": "compute", "start": waited,
+                                "dur": end - waited})  # fmt: skip
             self.exposed[kind] = self.exposed.get(kind, 0.0) + end - waited

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_map
 
-from lightning_shardlab.budget.predicted.compute_trace import TensorSpec, TracedOp, Work, WorkMode
+from lightning_shardlab.budget.predicted.compute_trace import ComputeTrace, TensorSpec, TracedOp, Work, WorkMode
 
 MEMORY_BANDWIDTH = {  # bytes per second of device memory, from each vendor's datasheet
     "h100": 3.35e12,  # H100 SXM5 80 GB, HBM3 (NVIDIA H100 Tensor Core GPU datasheet)
@@ -91,7 +91,7 @@ class ComputeRate:
 # ---- measured ----
 
 
-def _median_seconds(call: Callable[[], object], device: torch.device) -> float:
+def median_seconds(call: Callable[[], object], device: torch.device) -> float:
     """Median seconds of ``call()`` after a warm-up, repeated until ``BUDGET`` seconds pass (``CALLS``: within)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     call()
@@ -115,7 +115,7 @@ def matmul_rate(shape: tuple[int, int, int, int], dtype: torch.dtype, device: st
     m = max(1, min(m, int(PROBE_FLOPS[dev.type] / (2 * batch * k * n))))
     lhs = torch.randn(batch, m, k, device=dev).to(dtype)
     rhs = torch.randn(batch, k, n, device=dev).to(dtype)
-    seconds = _median_seconds(lambda: torch.bmm(lhs, rhs) if batch > 1 else lhs[0] @ rhs[0], dev)
+    seconds = median_seconds(lambda: torch.bmm(lhs, rhs) if batch > 1 else lhs[0] @ rhs[0], dev)
     return 2.0 * batch * m * k * n / seconds
 
 
@@ -125,7 +125,7 @@ def memory_bandwidth(device: str, threads: int) -> float:
     dev = torch.device(device)
     source = torch.empty(PROBE_BYTES[dev.type] // 4, device=dev).fill_(1.0)
     target = torch.empty_like(source)
-    return 2.0 * PROBE_BYTES[dev.type] / _median_seconds(lambda: target.copy_(source), dev)
+    return 2.0 * PROBE_BYTES[dev.type] / median_seconds(lambda: target.copy_(source), dev)
 
 
 class ProbeBlock(torch.nn.Module):
@@ -158,7 +158,7 @@ def seconds_per_op(device: str, threads: int) -> float:
     def step() -> None:
         blocks(x).sum().backward()
 
-    return _median_seconds(step, dev) / (3 * counted.ops)
+    return median_seconds(step, dev) / (3 * counted.ops)
 
 
 @functools.cache
@@ -173,7 +173,7 @@ def seconds_per_bare_op(device: str, threads: int) -> float:
         for _ in range(100):
             x.mul_(1.0)
 
-    return _median_seconds(chain, dev) / 100
+    return median_seconds(chain, dev) / 100
 
 
 def _realized(spec: TensorSpec, dev: torch.device) -> torch.Tensor:
@@ -188,7 +188,7 @@ def call_seconds(op: TracedOp, dev: torch.device) -> float | None:
     on random values (an op that needs indices in range, a mask)."""
     try:
         args, kwargs = tree_map(lambda v: _realized(v, dev) if isinstance(v, TensorSpec) else v, op.template)
-        return _median_seconds(lambda: op.func(*args, **kwargs), dev)
+        return median_seconds(lambda: op.func(*args, **kwargs), dev)
     except Exception:  # noqa: BLE001 - left out
         return None
 
@@ -236,23 +236,17 @@ def flop_rate(
     return sum(flops for flops, _ in timed) / sum(flops / rate for flops, rate in timed)
 
 
-def measure_rate(
-    device: torch.device | str,
-    dtype: torch.dtype,
-    matmuls: dict[tuple[int, int, int, int], float] | None = None,
-    memory_ops: list[TracedOp] | None = None,
-    flop_ops: list[TracedOp] | None = None,
-) -> ComputeRate:
-    """The rates measured on ``device`` at this process's thread count: the FLOP rate of the heaviest of ``matmuls``
-    ((batch, m, k, n) -> FLOPs, from a trace) and ``flop_ops`` (convolutions, attention) in ``dtype``
-    (``flop_rate``); the bandwidth of the traced model's own heaviest memory-bound ops (``memory_ops``: norms,
-    activations, softmax run slower per byte than a copy), else of a copy; a kernel's cost. The probes of fixed
-    shapes are cached per process."""
+def measure_rate(device: torch.device | str, dtype: torch.dtype, traced: ComputeTrace | None = None) -> ComputeRate:
+    """The rates measured on ``device`` at this process's thread count: the FLOP rate of the ``traced`` model's
+    heaviest matmuls and other FLOP ops (convolutions, attention) in ``dtype`` (``flop_rate``); the bandwidth of its own
+    heaviest memory-bound ops (norms, activations, softmax run slower per byte than a copy), else of a copy; a
+    kernel's cost. The probes of fixed shapes are cached per process."""
     dev, threads, began = torch.device(device), torch.get_num_threads(), time.perf_counter()
-    rate = flop_rate(matmuls or {}, flop_ops or [], dtype, dev)
+    traced = traced or ComputeTrace()
+    rate = flop_rate(traced.matmuls, traced.flop_ops, dtype, dev)
     per_op, bare = seconds_per_op(str(dev), threads), seconds_per_bare_op(str(dev), threads)
     copy = memory_bandwidth(str(dev), threads)
-    bandwidth = model_bandwidth(memory_ops or [], dev, bare, copy, per_op) or copy
+    bandwidth = model_bandwidth(traced.memory_ops, dev, bare, copy, per_op) or copy
     name = (
         f"measured here: {dev.type}, {threads} thread{'s' if threads > 1 else ''}, {str(dtype).removeprefix('torch.')}"
     )

@@ -1,11 +1,12 @@
 """The work of some ops, counted as they run under fake tensors: FLOPs, memory-bound bytes and kernels.
 
-This file only counts (step_time.py turns work into seconds): **FLOPs** by torch's ``FlopCounterMode`` (attention by
-torch's formula, causal masking not subtracted); every other op that makes a tensor is memory-bound and costs the
-**bytes** it moves (its outputs, each input read up to its largest output's size: an embedding reads the rows it
-gathers, not the table); each **kernel** a fixed cost (views and allocations none). A micro-batch's forward is counted
-by unit in forward_trace.py; backward is derived, not traced (``Work.backward``). The heaviest shapes and ops are kept
-for the rate probes (compute_rate.py); the optimizer's step is counted the same way (``optimizer_work``).
+This file only counts (step_time.py turns work into seconds): **FLOPs** of each matmul (2 m k n) and, by torch's
+flop counter's formulas, of each other op that does FLOPs (convolutions; attention, causal masking not subtracted);
+every other op that makes a tensor is memory-bound and costs the **bytes** it moves (its outputs, each input read up
+to its largest output's size: an embedding reads the rows it gathers, not the table); each **kernel** a fixed cost
+(views and allocations none). A micro-batch's forward is counted by unit in forward_trace.py; backward is derived,
+not traced (``Work.backward``). The heaviest shapes and ops are kept for the rate probes (compute_rate.py); the
+optimizer's step is counted the same way (``optimizer_work``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ NO_WORK = {aten._unsafe_view, aten.empty, aten.empty_like, aten.empty_strided, a
 class Work:
     """What some ops cost, in the three quantities the time model prices."""
 
-    flops: float = 0.0  # FLOPs of the matmul-like ops (torch's flop counter)
+    flops: float = 0.0  # FLOPs of the matmuls, convolutions and attention
     bytes: float = 0.0  # bytes the other ops read and write (memory-bound)
     ops: float = 0.0  # kernels run, each with a fixed cost (dispatch, launch)
 
@@ -55,9 +56,6 @@ class Work:
 
     def __sub__(self, other: Work) -> Work:
         return Work(self.flops - other.flops, self.bytes - other.bytes, self.ops - other.ops)
-
-    def scaled(self, k: float) -> Work:
-        return Work(self.flops * k, self.bytes * k, self.ops * k)
 
     def backward(self) -> Work:
         """The backward of this forward work: a matmul's is two matmuls of its size (the gradients of its input and
@@ -94,10 +92,6 @@ class ComputeTrace:
     why: str | None = None  # ... in a few words, for the tables (step_stand_ins.py's ``in_words``)
     memory_ops: list[TracedOp] = field(default_factory=list)  # the heaviest memory-bound ops, most bytes first
     flop_ops: list[TracedOp] = field(default_factory=list)  # the heaviest other FLOP ops (convolutions, attention)
-
-    def flops(self) -> dict[str, float]:
-        """Forward FLOPs per unit."""
-        return {name: work.forward.flops for name, work in self.by_unit.items()}
 
     def checkpointed(self, on: bool) -> ComputeTrace:
         """The work of a step with activation checkpointing ``on`` (its modules' forward run again in backward) or
@@ -140,6 +134,7 @@ class WorkMode(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
+        self.flops = 0.0  # FLOPs of the matmuls and the other ops that do FLOPs
         self.bytes = 0  # bytes
         self.ops = 0  # kernels
         self.matmuls: dict[tuple[int, int, int, int], float] = {}
@@ -158,6 +153,7 @@ class WorkMode(TorchDispatchMode):
         elif packet in FLOP_FORMULAS:
             flops = FLOP_FORMULAS[packet](*args, **(kwargs or {}), out_val=out)
             self._note(self.flop_ops, func, args, kwargs or {}).flops += flops
+            self.flops += flops
         else:
             largest = max(_nbytes(t) for t in outputs)
             inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
@@ -180,7 +176,9 @@ class WorkMode(TorchDispatchMode):
     def _matmul(self, lhs: torch.Size, rhs: torch.Size) -> None:
         batch = lhs[0] if len(lhs) == 3 else 1
         key = (batch, lhs[-2], lhs[-1], rhs[-1])  # (batch, m, k, n)
-        self.matmuls[key] = self.matmuls.get(key, 0.0) + 2.0 * batch * lhs[-2] * lhs[-1] * rhs[-1]
+        flops = 2.0 * batch * lhs[-2] * lhs[-1] * rhs[-1]
+        self.matmuls[key] = self.matmuls.get(key, 0.0) + flops
+        self.flops += flops
 
 
 # ---- the optimizer's step ----

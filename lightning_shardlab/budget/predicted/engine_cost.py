@@ -14,30 +14,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, EngineCost, ProbeBlock
+from lightning_shardlab.budget.predicted.compute_rate import ComputeRate, EngineCost, ProbeBlock, median_seconds
 from lightning_shardlab.comm.collectives import Comm
 from lightning_shardlab.core.config import ShardLabConfig, Stage
 from lightning_shardlab.sharding.build import shard_model
 
 SIZES = (2, 6)  # blocks (units) in the two probes: per unit from the slope, per step from the intercept
 WARM_UP = 3  # steps run before timing
-SAMPLES = 15  # timed calls, their median kept
-
-
-def _median(call: Callable[[], object]) -> float:
-    samples = []
-    for _ in range(SAMPLES):
-        began = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - began)
-    return statistics.median(samples)
 
 
 def _extra_seconds(blocks: int, stage: int, dev: torch.device) -> tuple[float, float]:
@@ -50,8 +37,8 @@ def _extra_seconds(blocks: int, stage: int, dev: torch.device) -> tuple[float, f
     for _ in range(WARM_UP):  # the engine's first steps differ (no forward order to prefetch by yet)
         for module in (plain, sharded):
             module(x).sum().backward()
-    forward = [_median(lambda m=m: m(x).sum()) for m in (plain, sharded)]
-    step = [_median(lambda m=m: m(x).sum().backward()) for m in (plain, sharded)]
+    forward = [median_seconds(lambda m=m: m(x).sum(), dev) for m in (plain, sharded)]
+    step = [median_seconds(lambda m=m: m(x).sum().backward(), dev) for m in (plain, sharded)]
     extra_forward = forward[1] - forward[0]
     return extra_forward, step[1] - step[0] - extra_forward
 

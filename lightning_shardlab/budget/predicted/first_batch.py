@@ -1,10 +1,13 @@
-"""The run's first batch traced: what the budget predicts its activations and its work from.
+"""The run's first batch traced: what the budget predicts its activations, its work and its step's peak from.
 
-``ShardLabBudget`` sets the measured saved-for-backward bytes (budget/measured/activations.py) and time beside
-predictions made without running the model (budget/predicted/forward_trace.py): before the strategy shards the
+``ShardLabBudget`` sets the measured saved-for-backward bytes (budget/measured/activations.py), time and step's peak
+(budget/measured/step_peak.py) beside predictions made without running the model: before the strategy shards the
 module, ``meta_clone`` copies it with every tensor on the meta device (no data copied, none of the engine's hooks); at
-the first training batch, that batch (made fake) goes once through the clone's step. Units and checkpointed modules
-come from the run's own options, so prediction and measurement count the same tensors the same way. A model built in
+the first training batch, that batch (made fake) goes once through the clone's step (forward_trace.py) and once
+through its forward and backward on the engine's schedule (step_timeline.py), each unit's bytes read from the run's
+own layouts and, on gloo, its wire's receive rooms. The peak is the model state the layout keeps on the device + the
+busiest moment of that timeline or of the optimizer's step (optimizer_peak.py). Units and checkpointed modules come
+from the run's own options, so prediction and measurement count the same tensors the same way. A model built in
 ``configure_model`` has no layers yet when the clone is taken, and a manual-optimisation step is not run: where
 nothing traces, the prediction says why, in full (``error``) and in a few words (``why``).
 """
@@ -19,12 +22,15 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_shardlab.budget.predicted.compute_trace import ComputeTrace
-from lightning_shardlab.budget.predicted.fake_step import fake_like
+from lightning_shardlab.budget.predicted.engine_schedule import UnitBytes, no_rooms
+from lightning_shardlab.budget.predicted.fake_step import STEPS, fake_like
 from lightning_shardlab.budget.predicted.forward_trace import ForwardTrace, trace_forward
 from lightning_shardlab.budget.predicted.step_stand_ins import TrainerView, in_words
+from lightning_shardlab.budget.predicted.step_timeline import PlannedPeak, StepTimeline, step_timeline
 from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.sharding import checkpointing
 from lightning_shardlab.sharding.hooks import installed_by_engine
+from lightning_shardlab.sharding.sharded_model import ShardedModel
 
 
 def meta_clone(module: nn.Module) -> nn.Module:
@@ -83,4 +89,51 @@ def _activations(traced: ForwardTrace, checkpointing: bool) -> dict[str, Any]:
         "recompute_peak": trace.recompute_peak if checkpointing else 0,
         "seconds": trace.seconds,
         "step": trace.step,  # what ran: "training_step" or "forward"
+    }
+
+
+def unit_bytes(sharded: ShardedModel) -> dict[str, UnitBytes]:
+    """Each unit's bytes for the timeline, from its real layouts; receive rooms from the wires of the shard group and,
+    with ``reshard_after_forward=k``, of the reshard group."""
+    mesh = sharded.mesh
+    rooms, regroup_rooms = (c.wire.receive_room if c.wire is not None else no_rooms for c in (mesh.shard, mesh.reshard))
+    k = mesh.reshard.world_size if mesh.regrouped else None
+    stage, policy = sharded.config.stage, sharded.policy
+    return {
+        unit.name: UnitBytes.of([fp.layout for fp in unit.flat_params], stage, policy, rooms, k, regroup_rooms)
+        for unit in sharded.units
+    }
+
+
+def timeline_for_batch(
+    clone: nn.Module, batch: Any, sharded: ShardedModel, precision: str, step: str
+) -> StepTimeline | dict[str, str]:
+    """``clone``'s step on a batch shaped like ``batch`` (``step``: what the activation trace ran, "training_step"
+    or "forward"), on ``sharded``'s schedule; ``{"error": why}`` when it does not run."""
+    try:
+        return step_timeline(
+            clone, sharded.config, unit_bytes(sharded), lambda: fake_like(batch), STEPS[step], precision
+        )
+    except Exception as err:  # noqa: BLE001 - a prediction says why it is missing; it never stops the run
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def predict_step_peak(
+    report: dict[str, Any],
+    timeline: StepTimeline | dict[str, str] | None,
+    optimizer: int | dict[str, str] | None = None,
+) -> dict[str, Any] | None:
+    """The predicted peak: the layout's device state + the busiest moment of the timeline (forward, backward) and of
+    the optimizer step (``optimizer``: its bytes beyond the state, budget/predicted/optimizer_peak.py), with that
+    moment's parts and each phase's; ``{"error": why}`` or None when there is no timeline."""
+    if not isinstance(timeline, StepTimeline):
+        return timeline
+    state = int(sum(report["locations_predicted"]["device"].values()))
+    stepped = optimizer if isinstance(optimizer, int) else None
+    moment, moments = timeline.busiest(stepped, "the optimizer's step, then the refresh")
+    return {
+        **PlannedPeak.at(state, moment).fields(),
+        "by_phase": {name: state + m.total for name, m in moments.items()},
+        "optimizer_error": optimizer.get("error") if isinstance(optimizer, dict) else None,
+        "seconds": timeline.seconds,
     }

@@ -27,18 +27,9 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_shardlab.budget.measured.activations import ROOT, SavedBytes, storage_key
-from lightning_shardlab.budget.predicted.compute_trace import (
-    CPU_ATTENTION,
-    HEAVIEST,
-    ComputeTrace,
-    UnitWork,
-    Work,
-    WorkMode,
-    attention_flops,
-)
+from lightning_shardlab.budget.predicted.compute_trace import HEAVIEST, ComputeTrace, UnitWork, Work, WorkMode
 from lightning_shardlab.budget.predicted.fake_step import (
     STEPS,
     MakeInputs,
@@ -111,7 +102,6 @@ class _Counter:
         self.running: list[str] = []  # the units whose forward runs, innermost last
         self.inside: list[tuple[str, SavedBytes]] = []  # the outermost checkpointed module running, its count
         self.held: list[Tensor] = []  # every tensor packed, until the trace ends
-        self.flops = FlopCounterMode(display=False, custom_mapping={CPU_ATTENTION: attention_flops})
         self.work, self.last = WorkMode(), Work()
         self.forward: dict[str, Work] = {}
         self.recompute: dict[str, Work] = {}
@@ -128,7 +118,7 @@ class _Counter:
         return self.running[-1] if self.running else ROOT
 
     def read(self) -> Work:
-        return Work(float(self.flops.get_total_flops()), float(self.work.bytes), float(self.work.ops))
+        return Work(self.work.flops, float(self.work.bytes), float(self.work.ops))
 
     def mark(self) -> None:
         """The work done since the last mark, charged to the unit running (and to its recompute, inside one)."""
@@ -218,7 +208,7 @@ def trace_forward(
         try:
             with mode, torch.enable_grad(), computing(precision):
                 batch = (make_inputs or token_batch)(model, micro_batch_size, seq_len)
-                with torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack), counter.flops, counter.work:
+                with torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack), counter.work:
                     counter.last = counter.read()
                     attempt(model, batch)
             return counter

@@ -2,7 +2,7 @@
 links (``shardlab plan``, docs/slow_links.md).
 
 The plan's own arithmetic: the real layout's traffic (zero_table.py ``predict_traffic``, with comm/packing.py's
-packings) on the plan's links (plan.py ``link_seconds``). Each option is planned alone against the exact run
+packings) on the plan's links (zero_table.py ``link_seconds``). Each option is planned alone against the exact run
 (``reduce_dtype`` and ``gather_dtype`` off, the other options as given), then both int8 options together. A saving is
 a lower bound's difference: packing and unpacking cost compute, not counted here (docs/slow_links.md measures it).
 ``ShardLabBudget`` sets the same rows on the link the run measured for itself (``run_option_savings``).
@@ -10,17 +10,19 @@ a lower bound's difference: packing and unpacking cost compute, not counted here
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_shardlab.budget.predicted.zero_table import Interconnect, Traffic, predict_traffic
+from lightning_shardlab.budget.predicted.zero_table import Interconnect, Links, link_seconds, predict_traffic
 from lightning_shardlab.comm.packing import packing_for
 from lightning_shardlab.core.config import Accumulation, PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.sharded_model import ShardedModel
+
+if TYPE_CHECKING:
+    from lightning_shardlab.budget.predicted.whole_tensor import WholePlan
 
 OPTIONS = (  # (what the table calls it, the options it sets)
     ("reduce_dtype='bf16'", {"reduce_dtype": "bf16"}),
@@ -34,28 +36,29 @@ def option_savings(
     units: dict[str, list[FlatParamLayout]],
     config: ShardLabConfig,
     compute: torch.dtype | None,
-    replicas: int,
-    reshard: int | None,
-    seconds_of: Callable[[Traffic], float],
+    links: Links,
+    whole: WholePlan | None = None,
     *,
     micro_batches: int = 1,
     reduce_every_micro_batch: bool = True,
 ) -> list[dict[str, Any]]:
     """Rows: the exact run first, then each option that applies (int8 gathers: stage 3 only), each with its
-    ``bytes`` moved per step (what travels in the rings, full tensors), ``comm_seconds`` (``seconds_of`` its
-    traffic: the plan's lower bound on its links) and ``saved_seconds`` against the exact run (gradients reduced in
-    their masters' dtype). A run's micro-batches per step, and whether each reduces, may be given."""
+    ``bytes`` moved per step (what travels in the rings, full tensors), ``comm_seconds`` (the plan's lower bound on
+    ``links``, ``link_seconds``, a whole-tensor optimizer's exchanges included) and ``saved_seconds`` against the
+    exact run (gradients reduced in their masters' dtype). A run's micro-batches per step, and whether each reduces,
+    may be given."""
     policy = PrecisionPolicy(compute, None)
 
     def row(name: str, options: dict[str, str]) -> dict[str, Any]:
         traffic = predict_traffic(
             units, config.stage, policy, micro_batches, reduce_every_micro_batch,
-            reshard_after_forward=config.reshard_after_forward, replicas=replicas, reshard_size=reshard,
+            reshard_after_forward=config.reshard_after_forward, replicas=links.replicas,
+            reshard_size=links.reshard_size,
             gather_packing=packing_for(options.get("gather_dtype"), config.quant_block_size),
             reduce_packing=packing_for(options.get("reduce_dtype"), config.quant_block_size),
         )  # fmt: skip
         moved = traffic.scope_bytes(*traffic.by_scope, rings=True)
-        return {"option": name, "bytes": moved, "comm_seconds": seconds_of(traffic)}
+        return {"option": name, "bytes": moved, "comm_seconds": sum(link_seconds(traffic, links, whole).values())}
 
     rows = [row("exact", {})]
     for name, options in OPTIONS:
@@ -68,21 +71,18 @@ def option_savings(
 
 
 def run_option_savings(
-    sharded: ShardedModel, micro_batches: int, intra: Interconnect, inter: Interconnect, link_seconds: Callable
+    sharded: ShardedModel, micro_batches: int, intra: Interconnect, inter: Interconnect
 ) -> dict[str, Any]:
     """``option_savings`` for a run (``ShardLabBudget``): its units in the order their forward ran, its options and
     compute dtype, its micro-batches per step and its groups, timed on the links it probed for itself (``intra``
-    inside its shard groups, ``inter`` across them) as the plan times its own (plan.py's ``link_seconds``, given:
-    plan.py imports this module). ``rows`` say which is the run's own choice (``this_run``)."""
+    inside its shard groups, ``inter`` across them) as the plan times its own. ``rows`` say which is the run's own
+    choice (``this_run``)."""
     mesh, config = sharded.mesh, sharded.config
     units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.forward_order}
-    reshard, replicas = mesh.reshard.world_size if mesh.regrouped else None, mesh.replica.world_size
-
-    def seconds_of(traffic: Traffic) -> float:
-        return sum(link_seconds(traffic, mesh.shard.world_size, reshard, replicas, intra, inter).values())
-
+    reshard = mesh.reshard.world_size if mesh.regrouped else None
+    links = Links(intra, inter, mesh.replica.world_size, reshard, mesh.shard.world_size)
     rows = option_savings(
-        units, config, sharded.policy.compute_dtype, replicas, reshard, seconds_of,
+        units, config, sharded.policy.compute_dtype, links,
         micro_batches=micro_batches,
         reduce_every_micro_batch=config.accumulation is Accumulation.REDUCE,
     )  # fmt: skip
@@ -90,4 +90,4 @@ def run_option_savings(
     mine = next((name for name, options in OPTIONS if options == chosen), None if chosen else "exact")
     for row in rows:
         row["this_run"] = row["option"] == mine  # a run with another option (fp16 reductions) has no row of its own
-    return {"link": asdict(intra), "inter": asdict(inter) if replicas > 1 else None, "rows": rows}
+    return {"link": asdict(intra), "inter": asdict(inter) if links.replicas > 1 else None, "rows": rows}

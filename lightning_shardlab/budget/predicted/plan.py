@@ -22,9 +22,11 @@ from lightning_shardlab.budget.predicted.option_savings import option_savings
 from lightning_shardlab.budget.predicted.whole_tensor import SHOWN, WholePlan, plan_whole_model, plan_whole_params
 from lightning_shardlab.budget.predicted.zero_table import (
     Interconnect,
+    Links,
     OptimizerShape,
     Traffic,
     file_call,
+    link_seconds,
     predict_memory,
     predict_traffic,
     zero_table_bytes,
@@ -79,54 +81,20 @@ class Plan:
         return sum(v for k, v in self.memory_per_rank.items() if k != "padding")
 
 
-def link_seconds(
-    traffic: Traffic,
-    group: int,
-    reshard: int | None,
-    replicas: int,
-    intra: Interconnect,
-    inter: Interconnect,
-    whole: WholePlan | None = None,
-) -> dict[str, float]:
-    """Ring lower bounds per link (zero_table.py's ``Interconnect``). Intra: the shard groups' all-gathers and
-    reduce-scatters at G ranks (the reshard groups' at k); inter: the all-reduces of gradient shards across the R
-    replicas. A whole-tensor optimizer's all-to-alls: what the busiest rank sends inside its shard group, and across."""
-
-    def ring(scopes: tuple[str, ...], ranks: int) -> float:
-        nbytes, calls = traffic.scope_bytes(*scopes, rings=True), traffic.scope_calls(*scopes, rings=True)
-        return intra.ring_seconds(nbytes, ranks, calls)
-
-    inside = ring(("world", "shard"), group) + (ring(("reshard",), reshard) if reshard else 0.0)
-    across = inter.all_reduce_seconds(traffic.scope_bytes("replica"), replicas, traffic.scope_calls("replica"))
-    if whole is not None:
-        ranks = range(len(whole.state))
-        inside += intra.exchange_seconds(max(whole.sent(r) - whole.across[r] for r in ranks), whole.calls)
-        across += inter.exchange_seconds(max(whole.across), whole.calls)
-    return {"intra": inside, "inter": across}
-
-
-def _groups(
-    traffic: Traffic,
-    group: int,
-    reshard: int | None,
-    replicas: int,
-    intra: Interconnect,
-    inter: Interconnect,
-    whole: WholePlan | None = None,
-) -> dict[str, Any]:
+def _groups(traffic: Traffic, links: Links, whole: WholePlan | None = None) -> dict[str, Any]:
     """The Plan fields that say how the ranks are grouped, the time on each link, and a whole-tensor
     optimizer's exchanges (added to the traffic as all_to_all: the busiest rank's bytes) and owners."""
-    seconds = link_seconds(traffic, group, reshard, replicas, intra, inter, whole)
+    seconds = link_seconds(traffic, links, whole)
     if whole is not None:
         traffic = traffic.with_exchanges(whole.calls, max(whole.sent(r) for r in range(len(whole.state))))
     return {
         "whole_tensor": whole.fields() if whole is not None else None,
         "traffic": vars(traffic),
-        "shard_group_size": group,
-        "replicas": replicas,
-        "reshard_size": reshard,
-        "interconnect": intra.name,
-        "links": {"intra": intra.name, "inter": inter.name},
+        "shard_group_size": links.group,
+        "replicas": links.replicas,
+        "reshard_size": links.reshard_size,
+        "interconnect": links.intra.name,
+        "links": {"intra": links.intra.name, "inter": links.inter.name},
         "link_seconds": seconds,
         "comm_seconds": sum(seconds.values()),
     }
@@ -207,8 +175,8 @@ def plan_params(
     }[offload]
     unsharded = sum(zero_table_bytes(params, 1, Stage.PARAMETERS, mixed, shape, itemsize).values())
     unsharded += alone.optimizer_state(0) if alone is not None else 0
-    replicas = world_size // group
-    traffic = zero_traffic(params, stage, precision, group, reshard, replicas)
+    links = Links(link, inter or link, world_size // group, reshard, group)
+    traffic = zero_traffic(params, stage, precision, group, reshard, links.replicas)
     return Plan(
         source="parameter count (ZeRO table)",
         params=int(params),
@@ -219,7 +187,7 @@ def plan_params(
         per_rank=[],
         unsharded_bytes=unsharded,
         gathered_peak=0,
-        **_groups(traffic, group, reshard, replicas, link, inter or link, whole),
+        **_groups(traffic, links, whole),
         **plan_fields(split_by_tier(memory, offload, mixed), moves, offload, tier_link, device_memory, 0),
     )
 
@@ -242,7 +210,7 @@ def plan_model(
     world unless hybrid), the same arithmetic the ledger sets against what a run measures. Rank r holds what
     rank r mod G of its shard group holds."""
     group, reshard = config.group_sizes(world_size, per_node or world_size)
-    replicas = world_size // group
+    links = Links(link, inter or link, world_size // group, reshard, group)
     units = plan_units(model, config, group).layouts()
     layouts = [lay for lays in units.values() for lay in lays]
     policy = plan_policy(precision, config)
@@ -259,7 +227,7 @@ def plan_model(
         config.stage,
         policy,
         reshard_after_forward=config.reshard_after_forward,
-        replicas=replicas,
+        replicas=links.replicas,
         reshard_size=reshard,
         gather_packing=packing_for(config.gather_dtype, config.quant_block_size),
         reduce_packing=packing_for(config.reduce_dtype, config.quant_block_size),
@@ -274,15 +242,9 @@ def plan_model(
         per_rank=per_rank,
         unsharded_bytes=unsharded,
         gathered_peak=(peak := gathered_peak(units, policy, Schedule.of(config), reshard)),
-        options=option_savings(  # timed on this plan's links as its own traffic (the exchanges: the same in each)
-            units,
-            config,
-            policy.compute_dtype,
-            replicas,
-            reshard,
-            lambda traffic: sum(link_seconds(traffic, group, reshard, replicas, link, inter or link, whole).values()),
-        ),  # fmt: skip
-        **_groups(traffic, group, reshard, replicas, link, inter or link, whole),
+        # each option timed on this plan's links as its own traffic (the exchanges: the same in each)
+        options=option_savings(units, config, policy.compute_dtype, links, whole),
+        **_groups(traffic, links, whole),
         **plan_fields(
             locations, predict_moves(layouts, policy, offload, shape, r), offload, tier_link, device_memory, peak
         ),

@@ -23,8 +23,8 @@ from lightning_shardlab.budget.predicted.compute_trace import (
     optimizer_work,
 )
 from lightning_shardlab.budget.predicted.engine_cost import with_engine_cost
-from lightning_shardlab.budget.predicted.step_time import Links, basis, predict_step_time
-from lightning_shardlab.budget.predicted.zero_table import INTERCONNECTS, Interconnect
+from lightning_shardlab.budget.predicted.step_time import basis, predict_step_time
+from lightning_shardlab.budget.predicted.zero_table import INTERCONNECTS, Interconnect, Links
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.sharded_model import ShardedModel
 
@@ -70,9 +70,7 @@ def run_rate(sharded: ShardedModel, compute: ComputeTrace | None) -> ComputeRate
     so the ranks on one machine take turns to call it (budget/callback.py)."""
     layouts = [fp.layout for u in sharded.forward_order for fp in u.flat_params]
     dtype = sharded.policy.compute_dtype or (layouts[0].dtype if layouts else torch.float32)
-    traced = (compute.matmuls, compute.memory_ops, compute.flop_ops) if compute is not None else (None, None, None)
-    rate = measure_rate(sharded.comm.device, dtype, *traced)
-    return with_engine_cost(rate, sharded.config.stage)
+    return with_engine_cost(measure_rate(sharded.comm.device, dtype, compute), sharded.config.stage)
 
 
 def time_predicted_for_run(
@@ -112,7 +110,8 @@ def time_predicted_for_run(
     units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.forward_order}
     layouts = [lay for lays in units.values() for lay in lays]
     rate = rate or sharing_cores(run_rate(sharded, compute), ranks_here)
-    links = Links(link, inter or link, mesh.replica.world_size, mesh.reshard.world_size if mesh.regrouped else None)
+    reshard = mesh.reshard.world_size if mesh.regrouped else None
+    links = Links(link, inter or link, mesh.replica.world_size, reshard, mesh.shard.world_size)
     work, name = run_optimizer_work(sharded, optimizers, layouts)
     out = predict_step_time(
         units, compute, rate, sharded.config, sharded.policy, links,

@@ -23,9 +23,9 @@ from lightning_shardlab.budget.predicted.fake_step import STEPS, token_batch
 from lightning_shardlab.budget.predicted.forward_trace import ActivationTrace, ForwardTrace, trace_forward
 from lightning_shardlab.budget.predicted.optimizer_peak import planned_optimizer, planned_step_temporaries
 from lightning_shardlab.budget.predicted.plan import COMPUTE, Plan, plan_model, plan_policy
-from lightning_shardlab.budget.predicted.step_time import Links, basis, predict_step_time
+from lightning_shardlab.budget.predicted.step_time import basis, predict_step_time
 from lightning_shardlab.budget.predicted.step_timeline import PlannedPeak, StepTimeline, step_timeline
-from lightning_shardlab.budget.predicted.zero_table import Interconnect
+from lightning_shardlab.budget.predicted.zero_table import Interconnect, Links
 from lightning_shardlab.core.config import ShardLabConfig
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.policy import plan_units
@@ -102,7 +102,7 @@ class Setting:
 
         def make() -> StepTimeline:
             config, group, reshard = self.changed(**changes)
-            policy = plan_policy(self.precision, self.config)
+            policy = plan_policy(self.precision, config)
             sizes = {
                 name: UnitBytes.of(lays, config.stage, policy, reshard_size=reshard)
                 for name, lays in self.units(config, group).items()
@@ -136,25 +136,23 @@ class Setting:
     ) -> dict[str, Any]:
         """Seconds per optimizer step (step_time.py), each setting played once. ``ValueError`` for groups that do not
         tile the world."""
-        key = ("time", micro_batch_size or self.micro_batch_size, micro_batches or self.micro_batches, prefetch,
-               self.rate, self.link_share, self.intra, self.inter, *sorted(changes.items()))  # fmt: skip
-        return dict(self._once(key, lambda: self._predict(micro_batch_size, micro_batches, prefetch, **changes)))
+        b, m = micro_batch_size or self.micro_batch_size, micro_batches or self.micro_batches
 
-    def _predict(
-        self, micro_batch_size: int | None, micro_batches: int | None, prefetch: int, **changes: Any
-    ) -> dict[str, Any]:
-        config, group, reshard = self.changed(**changes)
-        units, policy = self.units(config, group), plan_policy(self.precision, config)
-        layouts = [lay for lays in units.values() for lay in lays]
-        links = Links(self.link_inside(group), self.inter, self.world_size // group, reshard)
-        m = micro_batches or self.micro_batches
-        cls, options = planned_optimizer(self.optimizer, foreach=self.rate.device != "cpu")
-        work = optimizer_work(cls or torch.optim.AdamW, options, layouts, policy)  # a whole-tensor one: as AdamW
-        out = predict_step_time(
-            units, self.compute(micro_batch_size, **changes), self.rate, config, policy, links,
-            micro_batches=m, optimizer=work, data_seconds=self.data_seconds, prefetch=prefetch,
-            link_share=self.link_share,
-        )  # fmt: skip
-        out["basis"] = {**basis(self.rate, links, m, self.precision, self.optimizer), "link_share": self.link_share}
-        out["basis"]["micro_batch_size"] = micro_batch_size or self.micro_batch_size
-        return out
+        def make() -> dict[str, Any]:
+            config, group, reshard = self.changed(**changes)
+            units, policy = self.units(config, group), plan_policy(self.precision, config)
+            layouts = [lay for lays in units.values() for lay in lays]
+            links = Links(self.link_inside(group), self.inter, self.world_size // group, reshard, group)
+            cls, options = planned_optimizer(self.optimizer, foreach=self.rate.device != "cpu")
+            work = optimizer_work(cls or torch.optim.AdamW, options, layouts, policy)  # a whole-tensor one: as AdamW
+            out = predict_step_time(
+                units, self.compute(b, **changes), self.rate, config, policy, links,
+                micro_batches=m, optimizer=work, data_seconds=self.data_seconds, prefetch=prefetch,
+                link_share=self.link_share,
+            )  # fmt: skip
+            out["basis"] = {**basis(self.rate, links, m, self.precision, self.optimizer), "link_share": self.link_share}
+            out["basis"]["micro_batch_size"] = b
+            return out
+
+        key = ("time", b, m, prefetch, self.rate, self.link_share, self.intra, self.inter, *sorted(changes.items()))
+        return dict(self._once(key, make))

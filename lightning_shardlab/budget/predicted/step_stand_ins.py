@@ -61,14 +61,6 @@ def _fake_zero(*args: Any, **kwargs: Any) -> torch.Tensor:
     return torch.zeros(())  # made under the trace's fake mode: a fake scalar
 
 
-def _metric_class() -> type | None:
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
-        return None
-    return Metric
-
-
 def refuse_manual_optimization(model: nn.Module) -> None:
     """``ValueError`` for a step that optimizes by hand: its optimizer steps would act on the real run."""
     if getattr(model, "automatic_optimization", True) is False:
@@ -81,12 +73,13 @@ def refuse_manual_optimization(model: nn.Module) -> None:
 def _stand_ins(model: nn.Module) -> list[tuple[Any, str, Any]]:
     """(object, attribute, stand-in) for every logging method and metric of ``model``."""
     from lightning.pytorch import LightningModule
+    from torchmetrics import Metric
 
-    metric, out = _metric_class(), []
+    out = []
     for module in model.modules():
         if isinstance(module, LightningModule):
             out += [(module, "log", _nothing), (module, "log_dict", _nothing)]
-        if metric is not None and isinstance(module, metric):
+        if isinstance(module, Metric):
             out += [(module, "forward", _fake_zero), (module, "update", _nothing), (module, "compute", _fake_zero)]
     return out
 

@@ -43,7 +43,7 @@ from lightning_shardlab.budget.predicted.compute_trace import (
     Work,
 )
 from lightning_shardlab.budget.predicted.engine_schedule import Clock, EngineStandIn, Schedule, StandInUnit, drive
-from lightning_shardlab.budget.predicted.zero_table import Interconnect
+from lightning_shardlab.budget.predicted.zero_table import Links
 from lightning_shardlab.core.config import PrecisionPolicy, ShardLabConfig, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 
@@ -145,16 +145,6 @@ def play(
 
 
 # ---- from layouts and work ----
-
-
-@dataclass(frozen=True)
-class Links:
-    """The link inside shard groups and the link across them, and how the ranks are grouped."""
-
-    intra: Interconnect
-    inter: Interconnect
-    replicas: int = 1  # R shard groups
-    reshard_size: int | None = None  # k: backward gathers in reshard groups of k ranks
 
 
 def unit_times(

@@ -55,7 +55,7 @@ class Moment:
 @dataclass
 class PlannedPeak:
     """One rank's bytes at the step's busiest moment: the model state the device keeps between steps, and that
-    moment's (a run's: budget/predicted/step_peak.py; a plan's: budget/predicted/setting.py)."""
+    moment's (a run's: budget/predicted/first_batch.py; a plan's: budget/predicted/setting.py)."""
 
     model_state: float  # the model state the device keeps between steps
     traced: float  # what the micro-batch holds then: saved activations, temporaries, gradients

@@ -11,6 +11,7 @@ The ZeRO table, per parameter, mixed precision with Adam: 2 B compute copy +
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from lightning_shardlab.comm.packing import Packing
 from lightning_shardlab.core.config import PrecisionPolicy, Stage
 from lightning_shardlab.sharding.flat_param import FlatParamLayout
 from lightning_shardlab.sharding.optimizer import OptimizerShape
+
+if TYPE_CHECKING:
+    from lightning_shardlab.budget.predicted.whole_tensor import WholePlan
 
 
 def _real_in_shard(layout: FlatParamLayout, rank: int) -> int:
@@ -88,10 +92,6 @@ class Traffic:
     by_scope: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     all_to_all_calls: float = 0  # whole-tensor optimizers' exchanges (budget/predicted/whole_tensor.py): the bytes one
     all_to_all_bytes: float = 0  # rank sends (a plan: the busiest rank's, budget/predicted/whole_tensor.py)
-
-    @property
-    def bytes(self) -> int:
-        return self.all_gather_bytes + self.reduce_scatter_bytes
 
     @staticmethod
     def of(by_scope: dict[str, dict[str, list[int]]]) -> Traffic:
@@ -216,9 +216,8 @@ def zero_table_bytes(
     p, n = params, world_size
     w, g, m = (2, 2, 4) if mixed else (itemsize, itemsize, 0)
     state = (4 if mixed else itemsize) * optimizer.per_element
-    if stage is Stage.PARAMETERS:
-        return {"params": w * p / n, "grads": g * p / n, "master": m * p / n, "optimizer_state": state * p / n}
-    return {"params": w * p, "grads": g * p / n, "master": m * p / n, "optimizer_state": state * p / n}
+    shards = n if stage is Stage.PARAMETERS else 1  # the compute copy's: sharded at stage 3, whole at 1-2
+    return {"params": w * p / shards, "grads": g * p / n, "master": m * p / n, "optimizer_state": state * p / n}
 
 
 @dataclass(frozen=True)
@@ -256,6 +255,36 @@ class Interconnect:
         all-gather): each rank sends and receives 2 (N-1)/N of them, in 2 (N-1) messages per call."""
         n = world_size
         return 2 * (n - 1) / n * nbytes / self.bandwidth + calls * 2 * (n - 1) * self.latency
+
+
+@dataclass(frozen=True)
+class Links:
+    """The link inside shard groups and the link across them, and how the ranks are grouped."""
+
+    intra: Interconnect
+    inter: Interconnect
+    replicas: int = 1  # R shard groups
+    reshard_size: int | None = None  # k: backward gathers in reshard groups of k ranks
+    group: int | None = None  # G: the ranks of a shard group (``link_seconds``; step_time.py reads each layout's)
+
+
+def link_seconds(traffic: Traffic, links: Links, whole: WholePlan | None = None) -> dict[str, float]:
+    """Ring lower bounds per link. Intra: the shard groups' all-gathers and reduce-scatters at G ranks (the reshard
+    groups' at k); inter: the all-reduces of gradient shards across the R replicas. A whole-tensor optimizer's
+    all-to-alls (budget/predicted/whole_tensor.py): what the busiest rank sends inside its shard group, and across."""
+    intra, inter, k = links.intra, links.inter, links.reshard_size
+
+    def ring(scopes: tuple[str, ...], ranks: int) -> float:
+        nbytes, calls = traffic.scope_bytes(*scopes, rings=True), traffic.scope_calls(*scopes, rings=True)
+        return intra.ring_seconds(nbytes, ranks, calls)
+
+    inside = ring(("world", "shard"), links.group) + (ring(("reshard",), k) if k else 0.0)
+    across = inter.all_reduce_seconds(traffic.scope_bytes("replica"), links.replicas, traffic.scope_calls("replica"))
+    if whole is not None:
+        ranks = range(len(whole.state))
+        inside += intra.exchange_seconds(max(whole.sent(r) - whole.across[r] for r in ranks), whole.calls)
+        across += inter.exchange_seconds(max(whole.across), whole.calls)
+    return {"intra": inside, "inter": across}
 
 
 INTERCONNECTS = {
