@@ -57,10 +57,12 @@ dispatch (a model of three 8-wide layers read 2.8 MB/s, and its optimizer's step
 measured): 42 of 48 (35 in every repeat). Last, a call's messages took a busy rank's latency only where its rank
 computes while it is pending, and the batches' latency where it is waited for back to back (clocks.py;
 time_prediction_variants.py priced two sets of fits both ways, the step's median |log| 0.14 -> 0.10 and 0.18 ->
-0.17): the table above, 38 of 48 (32 in every repeat). Its 2-rank rows read 19 of 24 within (21 the run before),
-its 4-rank rows 19 of 24 (21): these rows were predicted short for the ranks' waiting on each other, which the
-longer latency of back-to-back calls had partly made up for. Rows move between runs: which are outside changed
-each time.
+0.17): 38 of 48 (32 in every repeat). Its 2-rank rows read 19 of 24 within (21 the run before), its 4-rank rows
+19 of 24 (21): these rows were predicted short for the ranks' waiting on each other, which the longer latency of
+back-to-back calls had partly made up for. The next change simplified the code and changed no rule (FLOPs counted
+by the same mode that counts bytes and kernels, the engine's probe timed as the rate probes are): the table above,
+41 of 48 (35 in every repeat; 2 ranks 21 of 24, 4 ranks 20 of 24). Rows move between runs: which are outside
+changed each time.
 What the rows still miss, from the largest:
 - the per-call cost as a run's own processes probe it: in the second run, one fit's two repeats moved the
   predicted step 1.6x while the measured one moved 1.05x (the tiny stack, stage 3, 2 micro-batches: 0.72 and
@@ -68,14 +70,15 @@ What the rows still miss, from the largest:
   before it and in a fit of its own (its probe read 1.5 ms of latency and 2.3 ms of compute a call there). The same
   probe outside a run reads 0.16-0.40 ms a call from one process to the next; inside the runs, 0.8-2.3 ms (two ranks
   and their communication threads time-sliced on two cores: what a call costs depends on what else is pending);
-- the measured step itself: one fit's two repeats differ by up to 2.27x, 1.40x, 1.23x and 1.37x in the four runs
-  (the second's: HF Llama, stage 3, 2 micro-batches): on this machine a single fit cannot be held to 0.75-1.33;
+- the measured step itself: one fit's two repeats differ by up to 2.27x, 1.40x, 1.23x, 1.37x and 1.35x in the
+  five runs (the second's: HF Llama, stage 3, 2 micro-batches): on this machine a single fit cannot be held to
+  0.75-1.33;
 - on 4 ranks, ``waiting_for_ranks`` (4 ranks on 2 cores: the model takes the ranks as equal and predicts none);
-- the forward of small models at stages 1-2: Lightning's loop between the last unit's forward and backward
-  (``training_step``'s loss, ``self.log``, the closure), which no count of kernels prices. On one rank, HF Llama: the
-  units' forward 1.15-1.33 ms measured against 1.23 predicted each, the root's 2.3 ms against 0.85. One
-  ``self.log`` call alone costs 0.33 ms here (three 8-wide layers on one rank: forward 0.67 ms with it, 0.34
-  without)."""
+- the forward of small models at stages 1-2, in the root: on one rank, HF Llama's units' forward measured 1.15-1.33
+  ms against 1.23 predicted each, the root's 2.3 ms against 0.85 (the model's own Python around its ops: masks,
+  positions, output classes; and Lightning's loop). Lightning's loop alone is small: 0.15 ms a step and 0.2 ms
+  more for each ``self.log`` (``python -m benchmarks.lightning_loop``: a 4 -> 4 Linear fitted on one process against
+  the same work in a plain loop), not priced."""
 
 
 def _token_module(body: Any, block: type, vocab: int, seq: int, batch: int) -> tuple[Any, type, Any]:
