@@ -3,6 +3,7 @@ and a tiny 4-block stack whose step is mostly per-op and per-unit costs (benchma
 
     python -m benchmarks.time_prediction                  # 3 repeats -> benchmarks/TIME_PREDICTION.md
     python -m benchmarks.time_prediction --quick          # 1 repeat, printed only
+    python -m benchmarks.time_prediction --zoo --four --repeats 2   # six models instead: time_prediction_zoo.py
 
 Each variant is a Lightning fit with ``ShardLabBudget`` of bench.py's default GPT (6 blocks, width 384, 128 tokens,
 batch 8 per rank; fp32 AdamW), 2 CPU ranks with one thread each (gloo), or 4 ranks in 2 shard groups of 2
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import io
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -159,11 +161,16 @@ def ratios(report: dict) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if "--zoo" in (argv := sys.argv[1:] if argv is None else argv):  # the zoo, its own options passed on
+        from benchmarks import time_prediction_zoo
+
+        return time_prediction_zoo.main([a for a in argv if a != "--zoo"])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=list(VARIANTS), action="append", help="run this variant (repeatable); not saved")
+    p.add_argument("--zoo", action="store_true", help="six models instead (time_prediction_zoo.py; its --help)")
     args = p.parse_args(argv)
     chosen = {name: VARIANTS[name] for name in args.only or VARIANTS}
     samples: dict[str, list[dict]] = {name: [] for name in chosen}
