@@ -79,8 +79,7 @@ def run_option_savings(
     choice (``this_run``)."""
     mesh, config = sharded.mesh, sharded.config
     units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.forward_order}
-    reshard = mesh.reshard.world_size if mesh.regrouped else None
-    links = Links(intra, inter, mesh.replica.world_size, reshard, mesh.shard.world_size)
+    links = Links.of_mesh(mesh, intra, inter)
     rows = option_savings(
         units, config, sharded.policy.compute_dtype, links,
         micro_batches=micro_batches,

@@ -88,7 +88,7 @@ def time_predicted_for_run(
     link_share: float = 1.0,
 ) -> dict[str, Any]:
     """This rank's seconds per optimizer step predicted (``predict_step_time``) for the run: ``compute`` its first
-    batch's work (first_batch.py's ``work_predicted``); ``link`` (default: ``default_link``; ``inter``
+    batch's work (first_batch.py's ``predict_first_batch``); ``link`` (default: ``default_link``; ``inter``
     across shard groups, default ``link``); ``rate`` (default: measured here, shared by the ``ranks_here`` ranks of
     this machine: ``sharing_cores``). ``{"error": why}`` when there is nothing to predict from. Adds no collective:
     call it on any rank, at any time."""
@@ -110,8 +110,7 @@ def time_predicted_for_run(
     units = {u.name: [fp.layout for fp in u.flat_params] for u in sharded.forward_order}
     layouts = [lay for lays in units.values() for lay in lays]
     rate = rate or sharing_cores(run_rate(sharded, compute), ranks_here)
-    reshard = mesh.reshard.world_size if mesh.regrouped else None
-    links = Links(link, inter or link, mesh.replica.world_size, reshard, mesh.shard.world_size)
+    links = Links.of_mesh(mesh, link, inter or link)
     work, name = run_optimizer_work(sharded, optimizers, layouts)
     out = predict_step_time(
         units, compute, rate, sharded.config, sharded.policy, links,

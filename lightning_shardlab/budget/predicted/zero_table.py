@@ -11,7 +11,7 @@ The ZeRO table, per parameter, mixed precision with Adam: 2 B compute copy +
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -266,6 +266,12 @@ class Links:
     replicas: int = 1  # R shard groups
     reshard_size: int | None = None  # k: backward gathers in reshard groups of k ranks
     group: int | None = None  # G: the ranks of a shard group (``link_seconds``; step_time.py reads each layout's)
+
+    @staticmethod
+    def of_mesh(mesh: Any, intra: Interconnect, inter: Interconnect) -> Links:
+        """A run's groups (comm/mesh.py's ``Mesh``) on ``intra`` inside its shard groups and ``inter`` across them."""
+        reshard = mesh.reshard.world_size if mesh.regrouped else None
+        return Links(intra, inter, mesh.replica.world_size, reshard, mesh.shard.world_size)
 
 
 def link_seconds(traffic: Traffic, links: Links, whole: WholePlan | None = None) -> dict[str, float]:
